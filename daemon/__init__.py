@@ -1,0 +1,1 @@
+"""The daemon: engine loop, HTTP/SSE API, Unix socket, systemd integration, CLI."""

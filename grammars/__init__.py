@@ -1,0 +1,1 @@
+"""Structured output: grammar compile cache, per-request matchers, token bitmasks."""

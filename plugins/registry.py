@@ -1,0 +1,57 @@
+"""Entry-point discovery for policies and model architectures, with API version checks."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from scheduling.policy import POLICY_API_VERSION, Policy
+
+POLICY_GROUP = "headrace.policies"
+MODEL_GROUP = "headrace.models"
+
+
+class PluginError(RuntimeError):
+    """A plugin was found but cannot be used (wrong API version, wrong shape)."""
+
+
+class UnknownPluginError(PluginError, LookupError):
+    """No installed plugin has the requested name; the message lists the installed ones."""
+
+
+def installed(group: str) -> dict[str, EntryPoint]:
+    """Entry points of `group`, by name. Read fresh each call: installs take effect at once."""
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def load_plugin(group: str, name: str, api_version: int, kind: str) -> Any:
+    """Load the object behind entry point `name` of `group` and check its API version.
+
+    The object must declare `api_version`; a plugin built for another version of the
+    interface fails here, with both versions named, instead of deep inside a step.
+    """
+    found = installed(group)
+    if name not in found:
+        names = ", ".join(sorted(found)) or "(none)"
+        raise UnknownPluginError(f"unknown {kind} {name!r}; installed: {names}")
+    obj = found[name].load()
+    declared = getattr(obj, "api_version", None)
+    if declared != api_version:
+        raise PluginError(
+            f"{kind} {name!r} ({found[name].value}) declares plugin API version {declared!r}; "
+            f"this headrace supports version {api_version}"
+        )
+    return obj
+
+
+def policy_names() -> list[str]:
+    return sorted(installed(POLICY_GROUP))
+
+
+def load_policy(name: str, **options: Any) -> Policy:
+    """Instantiate the policy registered as `name`, passing `options` to its constructor."""
+    cls = load_plugin(POLICY_GROUP, name, POLICY_API_VERSION, "policy")
+    policy = cls(**options)
+    if not isinstance(policy, Policy):
+        raise PluginError(f"policy {name!r} does not implement rank/admit/observe")
+    return policy

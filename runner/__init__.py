@@ -1,0 +1,1 @@
+"""Model definitions, weight loaders, attention backends, sampler and ModelRunner."""

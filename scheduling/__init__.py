@@ -1,0 +1,53 @@
+"""Requests, sampling parameters, the unified-budget Scheduler and its policies. No torch."""
+
+from scheduling.config import SchedulerConfig
+from scheduling.output import (
+    CachedRequestData,
+    NewRequestData,
+    RequestOutput,
+    RunnerOutput,
+    SchedulerOutput,
+    StepShape,
+    StepStats,
+)
+from scheduling.policy import (
+    ACCEPT,
+    DEFER,
+    POLICY_API_VERSION,
+    Admission,
+    BasePolicy,
+    Decision,
+    LoadView,
+    Policy,
+    reject,
+)
+from scheduling.request import SLO, Request, RequestStatus
+from scheduling.sampling_params import SamplingParams, SamplingParamsError
+from scheduling.scheduler import QueueFullError, Scheduler
+
+__all__ = [
+    "ACCEPT",
+    "DEFER",
+    "POLICY_API_VERSION",
+    "SLO",
+    "Admission",
+    "BasePolicy",
+    "CachedRequestData",
+    "Decision",
+    "LoadView",
+    "NewRequestData",
+    "Policy",
+    "QueueFullError",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "RunnerOutput",
+    "SamplingParams",
+    "SamplingParamsError",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StepShape",
+    "StepStats",
+    "reject",
+]

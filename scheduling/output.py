@@ -1,0 +1,101 @@
+"""Plain dataclasses that cross the scheduler/runner boundary, both ways."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduling.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    # Prompt plus any output so far (a resumed request recomputes both).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # The whole block table, prefix-cache hits included.
+    block_ids: list[int]
+    # Tokens already in the KV cache (prefix hits); computing starts here.
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds; only what changed since its last step."""
+
+    req_id: str
+    # Blocks appended to its table this step.
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What a step computes, in the units the step-cost model is fitted on."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    # Sum over scheduled requests of the context they attend to (attention cost).
+    num_context_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepStats:
+    """A finished step: its shape and how long it took (fed to Policy.observe)."""
+
+    shape: StepShape
+    duration_s: float
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step; it never calls back into the scheduler."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens computed this step (prompt chunk, 1 decode token, or 1 + drafts).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # req_id -> draft tokens to verify; their count is part of num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that ended since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests evicted since the last step: the runner drops their state (they come back new).
+    preempted_req_ids: set[str] = field(default_factory=set)
+    shape: StepShape = field(default_factory=StepShape)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What a step produced: sampled ids for each request that reached a sampling position.
+
+    A prompt chunk that does not reach the end of the prompt has no entry. With speculative
+    decoding the list holds the accepted drafts plus one bonus token.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> per sampled token, (logprob of the token, {top token id: logprob}).
+    logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's delta after a step: new tokens, and why it finished if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

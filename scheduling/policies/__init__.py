@@ -1,0 +1,1 @@
+"""Built-in policies, found through the `headrace.policies` entry points like any plugin."""

@@ -1,0 +1,296 @@
+"""The unified-budget scheduler: no prefill phase, no decode phase.
+
+Each step has `max_num_batched_tokens` tokens and `max_num_seqs` sequences to hand out.
+Every request wants `num_tokens_with_spec - num_computed_tokens` more tokens: a prompt
+chunk, one decode token, or 1 + k drafts. Running and waiting requests are merged in
+policy order (ties go to running ones); a running request that runs out of KV blocks
+preempts the lowest-ranked unscheduled running request (or itself), and a waiting request
+ranked above a running one may preempt it to get in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvcache import KVCacheManager
+from scheduling.config import SchedulerConfig
+from scheduling.output import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
+from scheduling.policy import Decision, LoadView, Policy
+from scheduling.request import Request, RequestStatus
+from scheduling.step_builder import StepBuilder
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_waiting` requests already (the API answers 429)."""
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's KV blocks.
+
+    Public surface: `add_request`, `finish_requests`, `schedule`, `update`, `observe_step`.
+    One owner: only the engine loop calls these; nothing else touches request state.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        policy: Policy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.clock = clock
+        # A request can never hold more tokens than the whole pool.
+        self.max_model_len = min(config.max_model_len, kv.num_blocks * kv.block_size)
+        self.watermark_blocks = int(config.watermark * kv.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._pending_outputs: list[RequestOutput] = []
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue `req`; raises ValueError (bad request) or QueueFullError (try later)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {req.num_prompt_tokens} tokens leave no room to generate; "
+                f"max_model_len is {self.max_model_len}"
+            )
+        if self.config.max_waiting and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string); unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._finish(req, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Never blocks, never calls the runner."""
+        now = self.clock()
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        waiting = self._admissible_waiting(now)
+        ranks = {r.request_id: self.policy.rank(r, now) for r in [*self.running, *waiting]}
+        running = sorted(self.running, key=lambda r: ranks[r.request_id])
+        waiting.sort(key=lambda r: ranks[r.request_id])
+        ri = wi = 0
+        admit_more = True
+        while step.budget > 0:
+            r = running[ri] if ri < len(running) else None
+            w = waiting[wi] if admit_more and wi < len(waiting) else None
+            if w is not None and (r is None or ranks[w.request_id] < ranks[r.request_id]):
+                wi += 1
+                # Head-of-line in policy order: if the best waiting request does not fit,
+                # nothing ranked after it jumps ahead.
+                admit_more = self._admit(w, ranks[w.request_id], running, ri, ranks, step, now)
+            elif r is not None:
+                ri += 1
+                # vLLM's rule: a step that had to preempt admits nothing new.
+                admit_more &= self._schedule_running(r, running, ri, step)
+            else:
+                break
+        out = step.build(self._finished_ids, self._preempted_ids)
+        self._finished_ids, self._preempted_ids = set(), set()
+        return out
+
+    def _schedule_running(
+        self, req: Request, running: list[Request], ri: int, step: StepBuilder
+    ) -> bool:
+        """Give `req` its tokens, preempting from the unscheduled tail; False if it preempted."""
+        num_tokens = self._num_tokens_wanted(req, step.budget)
+        if num_tokens <= 0:
+            return True
+        preempted = False
+        while (
+            new_blocks := self.kv.allocate_slots(
+                req, num_tokens, num_lookahead_tokens=self.config.num_lookahead_tokens
+            )
+        ) is None:
+            preempted = True
+            if len(running) > ri:
+                self._preempt(running.pop())
+            else:
+                self._preempt(req)
+                return False
+        step.add_cached(req, num_tokens, [b.block_id for b in new_blocks])
+        return not preempted
+
+    def _admit(
+        self,
+        req: Request,
+        rank: Any,
+        running: list[Request],
+        ri: int,
+        ranks: dict[str, Any],
+        step: StepBuilder,
+        now: float,
+    ) -> bool:
+        """Move `req` into the running set if it fits, preempting lower-ranked running ones."""
+
+        def preempt_lower() -> bool:
+            if len(running) <= ri or not rank < ranks[running[-1].request_id]:
+                return False
+            self._preempt(running.pop())
+            return True
+
+        while len(self.running) >= self.config.max_num_seqs:
+            if not preempt_lower():
+                return False
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        num_tokens = self._num_tokens_wanted(req, step.budget, num_hit_tokens)
+        if not self.config.enable_chunked_prefill and num_tokens < req.num_tokens - num_hit_tokens:
+            return False
+        while (
+            self.kv.allocate_slots(
+                req,
+                num_tokens,
+                hits,
+                self.config.num_lookahead_tokens,
+                reserve_blocks=self.watermark_blocks if self.running else 0,
+            )
+            is None
+        ):
+            if not preempt_lower():
+                return False
+        self.kv.prefix_stats.record(req.num_tokens, num_hit_tokens)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+            req.first_scheduled_time = now
+        step.add_new(req, num_tokens, self.kv.get_block_ids(req.request_id))
+        return True
+
+    def _num_tokens_wanted(self, req: Request, budget: int, num_hit_tokens: int = 0) -> int:
+        wanted = req.num_tokens_with_spec - req.num_computed_tokens - num_hit_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            wanted = min(wanted, threshold)
+        return min(wanted, budget)
+
+    def _admissible_waiting(self, now: float) -> list[Request]:
+        """Waiting requests the policy admits this step; rejected ones are finished here."""
+        load = self.load_view()
+        out = []
+        for req in list(self.waiting):
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                continue
+            admission = self.policy.admit(req, load, now)
+            if admission.decision is Decision.REJECT:
+                self._finish(req, RequestStatus.FINISHED_REJECTED, admission.reason)
+                self._pending_outputs.append(
+                    RequestOutput(req.request_id, [], "rejected", admission.reason)
+                )
+            elif admission.decision is Decision.ACCEPT:
+                out.append(req)
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Evict `req` for recompute: blocks freed, progress reset, back to the waiting front."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+        self._preempted_ids.add(req.request_id)
+
+    # -- results -------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestOutput]:
+        """Apply a finished step's sampled tokens; return each request's delta."""
+        now = self.clock()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for req_id in output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            sampled = runner_output.sampled_token_ids.get(req_id)
+            if req is None or not sampled:
+                continue  # aborted meanwhile, or a prompt chunk short of the end
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, ())
+            # Rejected drafts wrote KV that must be overwritten: step the counter back.
+            req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            req.spec_token_ids = []
+            new_ids: list[int] = []
+            status = None
+            for token_id in sampled:
+                req.append_output_token(token_id, now)
+                new_ids.append(token_id)
+                if (status := req.check_stop(self.max_model_len)) is not None:
+                    self._finish(req, status)
+                    break
+            logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(
+                RequestOutput(
+                    req_id,
+                    new_ids,
+                    status.finish_reason if status else None,
+                    req.stop_reason,
+                    logprobs[: len(new_ids)] if logprobs else None,
+                )
+            )
+        return outputs
+
+    def observe_step(self, stats: StepStats) -> None:
+        """Tell the policy how long a step took (the SLO policy learns its cost model)."""
+        self.policy.observe(stats)
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str | None = None) -> None:
+        """The one place a request leaves the scheduler and its blocks go back."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.finish_time = self.clock()
+        if reason is not None:
+            req.stop_reason = reason
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def load_view(self) -> LoadView:
+        return LoadView(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def check_integrity(self) -> None:
+        """KV invariants, plus: queues and the request map agree; only running hold blocks."""
+        self.kv.check_integrity()
+        assert len(self.running) <= self.config.max_num_seqs
+        ids = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert ids == set(self.requests), "queues and request map disagree"
+        assert len(ids) == len(self.running) + len(self.waiting), "request queued twice"
+        for req in self.waiting:
+            assert not self.kv.req_to_blocks.get(req.request_id), "waiting request holds blocks"
+        assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running}

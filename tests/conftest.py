@@ -1,0 +1,107 @@
+"""Shared fixtures: torch-free schedulers and requests with a controllable clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcache import KVCacheManager
+from plugins import load_policy
+from scheduling import (
+    SLO,
+    Request,
+    RunnerOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    policy: str = "fcfs",
+    enable_prefix_caching: bool = True,
+    hash_algo: str = "sha256",
+    **cfg: object,
+) -> Scheduler:
+    cfg.setdefault("watermark", 0.0)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, hash_algo)
+    return Scheduler(SchedulerConfig(**cfg), kv, load_policy(policy), FakeClock())
+
+
+_ids = itertools.count()
+
+
+def make_request(
+    prompt: list[int] | int = 8,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival: float | None = None,
+    slo: SLO | None = None,
+    cache_salt: str | None = None,
+    **params: object,
+) -> Request:
+    n = next(_ids)
+    if isinstance(prompt, int):
+        prompt = [1000 + n * 997 % 5000 + i for i in range(prompt)]
+    params.setdefault("ignore_eos", True)
+    return Request(
+        request_id=f"req-{n}",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        arrival_time=float(n) if arrival is None else arrival,
+        eos_token_id=2,
+        priority=priority,
+        slo=slo,
+        cache_salt=cache_salt,
+    )
+
+
+def make_requests(n: int, prompt_len: int = 8, **kw: object) -> list[Request]:
+    return [make_request(prompt_len, **kw) for _ in range(n)]  # type: ignore[arg-type]
+
+
+def sample_all(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> RunnerOutput:
+    """What a runner would return: one token for each request that reached its end."""
+    return RunnerOutput(
+        {
+            rid: [token]
+            for rid in out.num_scheduled_tokens
+            if rid in sched.requests
+            and sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
+        }
+    )
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out, sample_all(sched, out, token))
+    sched.check_integrity()
+    return out
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> Iterator[SchedulerOutput]:
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        yield step(sched)
+    raise AssertionError("requests did not finish")
+
+
+@pytest.fixture
+def scheduler_factory() -> Callable[..., Scheduler]:
+    return make_scheduler
