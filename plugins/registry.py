@@ -44,6 +44,18 @@ def load_plugin(group: str, name: str, api_version: int, kind: str) -> Any:
     return obj
 
 
+def load_model_class(architecture: str) -> type:
+    """A third-party model class registered under its HF architecture name."""
+    from runner.models.registry import BUILTIN_ARCHITECTURES, MODEL_API_VERSION
+
+    if architecture not in installed(MODEL_GROUP):
+        known = sorted({*BUILTIN_ARCHITECTURES, *installed(MODEL_GROUP)})
+        raise UnknownPluginError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(known)}"
+        )
+    return load_plugin(MODEL_GROUP, architecture, MODEL_API_VERSION, "model architecture")
+
+
 def policy_names() -> list[str]:
     return sorted(installed(POLICY_GROUP))
 

@@ -95,6 +95,10 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # Usage so far, so a consumer needs no access to the (possibly finished) request.
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

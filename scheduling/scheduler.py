@@ -199,7 +199,14 @@ class Scheduler:
             if admission.decision is Decision.REJECT:
                 self._finish(req, RequestStatus.FINISHED_REJECTED, admission.reason)
                 self._pending_outputs.append(
-                    RequestOutput(req.request_id, [], "rejected", admission.reason)
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        "rejected",
+                        admission.reason,
+                        None,
+                        req.num_prompt_tokens,
+                    )
                 )
             elif admission.decision is Decision.ACCEPT:
                 out.append(req)
@@ -248,6 +255,9 @@ class Scheduler:
                     status.finish_reason if status else None,
                     req.stop_reason,
                     logprobs[: len(new_ids)] if logprobs else None,
+                    req.num_prompt_tokens,
+                    req.num_output_tokens,
+                    max(0, req.num_cached_tokens),
                 )
             )
         return outputs

@@ -105,3 +105,11 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> Iterator[Sch
 @pytest.fixture
 def scheduler_factory() -> Callable[..., Scheduler]:
     return make_scheduler
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread: with two, a libgomp team collapses whenever anything else holds a
+    # core (measured: up to 20x slower steps), and tests run beside each other.
+    import torch
+
+    torch.set_num_threads(1)

@@ -1,0 +1,49 @@
+"""Build a model from a ModelSource: config, architecture class, weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runner.loaders.gguf_loader import GGUFModel
+from runner.loaders.hf_loader import HFDirectory
+from runner.model_config import ModelConfig
+from runner.model_source import ModelSource
+from runner.models.decoder import DecoderForCausalLM
+from runner.models.registry import apply_architecture_defaults, builtin_model_class
+from runner.models.rope import RotaryEmbedding
+
+ModelClassLookup = Callable[[str], type]
+
+
+def open_checkpoint(source: ModelSource) -> GGUFModel | HFDirectory:
+    return GGUFModel(source.gguf_file) if source.gguf_file else HFDirectory(source.path)
+
+
+def load_model(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    lookup: ModelClassLookup | None = None,
+    max_positions: int | None = None,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Instantiate the architecture and load its weights. `lookup` resolves architectures
+    that are not built in (the daemon passes the `headrace.models` plugin registry)."""
+    checkpoint = open_checkpoint(source)
+    cfg = apply_architecture_defaults(checkpoint.config())
+    cls = builtin_model_class(cfg.architecture)
+    if cls is None:
+        if lookup is None:
+            raise ValueError(f"unsupported model architecture {cfg.architecture!r}")
+        cls = lookup(cfg.architecture)
+    # Built on the meta device: no time is spent on a random init the weights overwrite.
+    with torch.device("meta"):
+        model = cls(cfg, max_positions)
+    model = model.to_empty(device=device)
+    # to_empty unties shared parameters and leaves computed buffers empty: redo both.
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+    model.load_weights(checkpoint.weights(cfg))
+    return model.to(dtype).eval(), cfg

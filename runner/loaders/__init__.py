@@ -1,0 +1,1 @@
+"""Weight loaders: GGUF files and HF directories, both yielding HF-named fp32 tensors."""

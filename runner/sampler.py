@@ -1,0 +1,145 @@
+"""Batched sampling: logits processors, greedy/random sampling, logprobs, draft verification.
+
+One row per sampling position. Everything is vectorised over the batch; only requests
+with their own seed draw their noise from their own generator (so a seeded request gives
+the same tokens whatever else shares its batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling inputs for one step, built by the model runner."""
+
+    params: list[SamplingParams]
+    # Per row: the request's prompt + output ids so far (penalties) and output count.
+    token_ids: list[list[int]]
+    num_prompt_tokens: list[int]
+    # Per row: its request's generator when seeded, else None.
+    generators: list[torch.Generator | None]
+    # Per row: ids to forbid while min_tokens is not reached (EOS and stop ids).
+    min_tokens_blocked: list[list[int]]
+    # Optional [N, ceil(V / 32)] int32 allow-mask from the grammar matchers.
+    bitmask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    # Per row, when its request asked for logprobs: (token logprob, {top id: logprob}).
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf every logit whose bit is 0 in the packed [N, ceil(V / 32)] int32 mask."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Bias, min_tokens, penalties and grammar mask, in place on fp32 [N, V] logits."""
+    for i, p in enumerate(batch.params):
+        ids = batch.token_ids[i]
+        num_out = len(ids) - batch.num_prompt_tokens[i]
+        if p.logit_bias:
+            idx = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, idx] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if num_out < p.min_tokens and batch.min_tokens_blocked[i]:
+            logits[i, batch.min_tokens_blocked[i]] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(ids)), dtype=torch.long)
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and num_out:
+            counts = torch.bincount(
+                torch.tensor(ids[batch.num_prompt_tokens[i] :], dtype=torch.long),
+                minlength=logits.shape[1],
+            ).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if batch.bitmask is not None:
+        apply_token_bitmask(logits, batch.bitmask)
+    return logits
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks, vectorised over rows."""
+    n, vocab = logits.shape
+    temp = torch.tensor([p.temperature or 1.0 for p in batch.params], dtype=logits.dtype)
+    logits = logits / temp[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in batch.params])
+    top_p = torch.tensor([p.top_p for p in batch.params], dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in batch.params], dtype=logits.dtype)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).expand(n, vocab)
+        drop = rank >= top_k[:, None]
+        probs = sorted_logits.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if (min_p > 0).any():
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
+                                    float("-inf"))  # fmt: skip
+    return logits
+
+
+def _exponential_noise(shape: tuple[int, int], batch: SamplingBatch) -> torch.Tensor:
+    q = torch.empty(shape).exponential_()
+    for i, g in enumerate(batch.generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return q
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Pick one token per row of fp32 [N, V] logits (modified in place)."""
+    logits = process_logits(logits, batch)
+    logprob_rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
+    logprobs_all = logits[logprob_rows].log_softmax(-1) if logprob_rows else None
+    greedy = torch.tensor([p.greedy for p in batch.params])
+    chosen = logits.argmax(-1)
+    if not greedy.all():
+        probs = _filter(logits, batch).softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, batched.
+        sampled = (probs / _exponential_noise(tuple(probs.shape), batch)).argmax(-1)
+        chosen = torch.where(greedy, chosen, sampled)
+    token_ids = chosen.tolist()
+    out: list[tuple[float, dict[int, float]] | None] = [None] * len(token_ids)
+    if logprobs_all is not None:
+        for j, i in enumerate(logprob_rows):
+            row = logprobs_all[j]
+            k = batch.params[i].logprobs or 0
+            top = row.topk(k) if k else None
+            alts = dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}
+            out[i] = (row[token_ids[i]].item(), alts)
+    return SampleResult(token_ids, out)
+
+
+def verify_greedy_drafts(target_ids: list[int], drafts: list[int]) -> list[int]:
+    """Accepted drafts plus one token from the target model, for greedy requests.
+
+    `target_ids[j]` is the target's own choice at draft position j (len(drafts) + 1 of them).
+    A draft is accepted while it equals the target's choice; the first disagreement is
+    replaced by the target's token, and if all agree the target adds a bonus token. The
+    output is then exactly what plain greedy decoding would produce.
+    """
+    out = []
+    for j, draft in enumerate(drafts):
+        out.append(target_ids[j])
+        if draft != target_ids[j]:
+            return out
+    out.append(target_ids[len(drafts)])
+    return out

@@ -1,0 +1,78 @@
+"""Models for runner tests: the embedded SmolLM2 (ours and transformers') and tiny random ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from daemon.engine import Engine, LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.model_source import resolve_model
+
+
+def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding of exactly n tokens, EOS included as a token.
+
+    NOTE: not min_new_tokens, which would forbid EOS instead of ignoring it.
+    """
+    hf_model.generation_config.eos_token_id = None
+    out = hf_model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    assert out.shape[1] == len(prompt_ids) + n
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def load_hf_smollm() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(
+        src.path, gguf_file=src.gguf_file.name, dtype=torch.float32
+    ).eval()
+
+
+def engine_for(loaded: LoadedModel, **cfg: object) -> Engine:
+    cfg.setdefault("threads", 1)
+    return Engine(EngineConfig(**cfg), loaded)  # type: ignore[arg-type]
+
+
+def make_tiny_hf_model(kind: str, directory: Path) -> torch.nn.Module:
+    """A random tiny model of the given family, saved as config.json + safetensors."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # A wide init gives peaked logits, so greedy choices are not near-ties.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        cfg = tf.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=24))
+    else:
+        raise ValueError(kind)
+    model = model.float().eval()
+    model.save_pretrained(directory)
+    return model
