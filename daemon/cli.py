@@ -42,7 +42,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="step cost in seconds: base + per prefill token + per decode token + per context "
         "token (default: a small model on one GPU)",
     )
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, offline, and print it as it streams",
+        description="Load the model (the embedded SmolLM2-135M-Instruct by default) and "
+        "generate a completion for PROMPT. Nothing is downloaded.",
+    )
+    gen.add_argument("prompt")
+    gen.add_argument("--model", help="GGUF file or HF directory (default: embedded SmolLM2)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--threads", type=int, help="torch intra-op threads (default: cores - 1)")
+    gen.add_argument(
+        "--raw", action="store_true", help="send PROMPT as is, without the chat template"
+    )
     return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from daemon.engine import Engine
+    from daemon.engine_config import EngineConfig
+    from scheduling import SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model, threads=args.threads))
+    prompt = args.prompt
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if not args.raw and template:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            print(delta.text, end="", flush=True)
+    print()
+    return 0
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -87,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "simulate":
             return run_simulate(args)
+        if args.command == "generate":
+            return run_generate(args)
     except (ValueError, LookupError, OSError) as e:
         print(f"headrace: error: {e}", file=sys.stderr)
         return 2

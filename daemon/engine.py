@@ -217,6 +217,16 @@ class Engine:
             deltas.append(self._delta(out))
         return deltas
 
+    def release_finished(self) -> None:
+        """When idle: let the runner drop the state of requests that ended in the last step.
+
+        Those ids normally ride on the next SchedulerOutput; with no next step they would
+        linger. Call only while no step is in flight (it runs on the caller's thread).
+        """
+        so = self.scheduler.schedule()
+        assert so.is_empty, "release_finished called with runnable requests"
+        self.runner.execute(so)
+
     def fail_step(self, so: SchedulerOutput, error: BaseException) -> list[Delta]:
         """A step raised: its requests end with finish_reason "error"; the engine goes on."""
         log.exception("step failed; ending its %d requests", len(so.num_scheduled_tokens))
@@ -266,6 +276,7 @@ class Engine:
                 if d.finished:
                     c.finish_reason = d.finish_reason
                     c.prompt_tokens, c.cached_tokens = d.prompt_tokens, d.cached_tokens
+        self.release_finished()
         return [results[rid] for rid in ids]
 
 

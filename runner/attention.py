@@ -3,20 +3,20 @@
 KV cache of one layer: `[2, num_blocks, block_size, kv_heads, head_dim]`; the slot of
 token position p of a request is `block_ids[p // block_size] * block_size + p % block_size`.
 
-The torch reference gathers each request's blocks into a padded `[B, K, kv_heads, D]`
-view and runs one masked `scaled_dot_product_attention` per group. Requests are split into
+The torch reference gathers each request's blocks into a padded `[B, kv_heads, K, D]`
+copy and runs one masked `scaled_dot_product_attention` per group. Requests are split into
 two groups so a 512-token prompt chunk does not pad 64 decode rows to 512 queries:
 
 ```
-decode group   (1 query each):   q [B_d, H, 1,  D]  x  kv [B_d, H, K_d, D]
-prefill group  (chunks):         q [B_p, H, Qp, D]  x  kv [B_p, H, K_p, D]   causal mask
+decode group   (1 query each):   q [B_d, KVH, g,      D]  x  kv [B_d, KVH, K_d, D]
+prefill group  (chunks):         q [B_p, KVH, g * Qp, D]  x  kv [B_p, KVH, K_p, D]  causal
 ```
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,19 @@ class AttentionGroup:
     out_index: torch.Tensor
     # [B, max_blocks] block ids (padding repeats block 0; masked out).
     block_tables: torch.Tensor
-    # [B, 1, Q, K] True where a query may attend a key.
+    # [B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere.
     mask: torch.Tensor
+    # The mask repeated for the g query heads of a KV head, made once per step.
+    _group_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def group_mask(self, group: int) -> torch.Tensor:
+        """[B, 1, g * Q, K], matching queries folded as (head in group, position)."""
+        if group not in self._group_masks:
+            b, _, q_len, k_len = self.mask.shape
+            self._group_masks[group] = self.mask.expand(b, group, q_len, k_len).reshape(
+                b, 1, group * q_len, k_len
+            )
+        return self._group_masks[group]
 
 
 @dataclass(slots=True)
@@ -101,12 +112,16 @@ def _group(
         masks.append(mask)
     valid_t = torch.stack(valid).reshape(-1)
     index_t = torch.tensor(token_index, dtype=torch.long)
+    # Additive float mask: SDPA's CPU kernel runs faster with it than with a bool mask.
+    bias = torch.zeros(len(idx), 1, q_len, k_len).masked_fill_(
+        ~torch.stack(masks).unsqueeze(1), float("-inf")
+    )
     return AttentionGroup(
         token_index=index_t.to(device),
         valid=valid_t.to(device),
         out_index=index_t.reshape(-1)[valid_t].to(device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        mask=torch.stack(masks).unsqueeze(1).to(device),
+        mask=bias.to(device),
     )
 
 
@@ -121,18 +136,25 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Torch reference: [T, H, D] queries against the paged cache -> [T, H, D]."""
+    """Torch reference: [T, H, D] queries against the paged cache -> [T, H, D].
+
+    NOTE: GQA without repeating K/V: the g query heads that share a KV head are folded into
+    the query-length axis, so each KV head is read once ([B, KVH, g * Q, D] queries).
+    """
     num_tokens, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
+    group = heads // kv_heads
     out = q.new_empty(num_tokens, heads, head_dim)
     for g in meta.groups:
         b, q_len = g.token_index.shape
-        qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
-        k = kv_cache[0][g.block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1][g.block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        # One gather for K and V: [2, B * blocks, block, KVH, D] -> [2, B, KVH, K, D]
+        kv = kv_cache.index_select(1, g.block_tables.reshape(-1))
+        kv = kv.view(2, b, -1, kv_heads, head_dim).transpose(2, 3)
+        qg = q[g.token_index].view(b, q_len, kv_heads, group, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, head_dim)
         o = F.scaled_dot_product_attention(
-            qg, k, v, attn_mask=g.mask, scale=scale, enable_gqa=kv_heads != heads
-        )  # [B, H, Q, D]
-        o = o.transpose(1, 2).reshape(b * q_len, heads, head_dim)
-        out[g.out_index] = o[g.valid]
+            qg, kv[0], kv[1], attn_mask=g.group_mask(group), scale=scale
+        )
+        o = o.view(b, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        out[g.out_index] = o.reshape(b * q_len, heads, head_dim)[g.valid]
     return out

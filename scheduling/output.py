@@ -66,6 +66,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests evicted since the last step: the runner drops their state (they come back new).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests that reach a sampling position this step (each holds one output placeholder).
+    sampling_req_ids: set[str] = field(default_factory=set)
     shape: StepShape = field(default_factory=StepShape)
 
     @property

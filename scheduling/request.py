@@ -87,6 +87,9 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens proposed for verification in the next step; never cached, never output.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Tokens being sampled by steps in flight, not yet returned. Counting them lets the next
+    # step be scheduled before this one ends (the runner fills in the real ids itself).
+    num_output_placeholders: int = 0
     # Hashes of full blocks of all_token_ids, extended by the KV manager as blocks fill.
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).
@@ -122,7 +125,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return len(self._all_token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -219,6 +219,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        # A step in flight may still return its token; it is appended then, as a real one.
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -232,9 +234,13 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in output.num_scheduled_tokens:
             req = self.requests.get(req_id)
+            if req is None:
+                continue  # finished or aborted meanwhile
+            if req_id in output.sampling_req_ids and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             sampled = runner_output.sampled_token_ids.get(req_id)
-            if req is None or not sampled:
-                continue  # aborted meanwhile, or a prompt chunk short of the end
+            if not sampled:
+                continue  # a prompt chunk short of the end
             drafts = output.scheduled_spec_decode_tokens.get(req_id, ())
             # Rejected drafts wrote KV that must be overwritten: step the counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
@@ -273,6 +279,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        req.num_output_placeholders = 0
         req.finish_time = self.clock()
         if reason is not None:
             req.stop_reason = reason

@@ -155,12 +155,8 @@ def simulate(
             raise RuntimeError(f"simulation exceeded {max_steps} steps")
         duration = cost.predict(out.shape)
         clock.now += duration
-        # Every request that reached the end of its known tokens samples one (dummy) token.
-        sampled = {
-            rid: [1]
-            for rid in out.num_scheduled_tokens
-            if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
-        }
+        # Every request that reached a sampling position samples one (dummy) token.
+        sampled = {rid: [1] for rid in out.sampling_req_ids}
         output_tokens += len(sampled)
         sched.update(out, RunnerOutput(sampled))
         sched.observe_step(StepStats(out.shape, duration))

@@ -54,15 +54,20 @@ class StepBuilder:
         shape = out.shape
         for req, n in self.scheduled:
             out.num_scheduled_tokens[req.request_id] = n
-            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+            # Known tokens: real ones plus those still being sampled by steps in flight.
+            known = req.num_tokens + req.num_output_placeholders
+            num_spec = max(0, req.num_computed_tokens + n - known)
             if num_spec:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
-            if req.num_computed_tokens >= req.num_tokens - 1:
+            if req.num_computed_tokens >= known - 1:
                 shape.num_decode_tokens += n
             else:
                 shape.num_prefill_tokens += n
             shape.num_context_tokens += req.num_computed_tokens + n
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= known:
+                req.num_output_placeholders += 1
+                out.sampling_req_ids.add(req.request_id)
         shape.num_seqs = len(self.scheduled)
         out.total_num_scheduled_tokens = shape.num_prefill_tokens + shape.num_decode_tokens
         return out

@@ -77,14 +77,7 @@ def make_requests(n: int, prompt_len: int = 8, **kw: object) -> list[Request]:
 
 def sample_all(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> RunnerOutput:
     """What a runner would return: one token for each request that reached its end."""
-    return RunnerOutput(
-        {
-            rid: [token]
-            for rid in out.num_scheduled_tokens
-            if rid in sched.requests
-            and sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
-        }
-    )
+    return RunnerOutput({rid: [token] for rid in out.sampling_req_ids if rid in sched.requests})
 
 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:

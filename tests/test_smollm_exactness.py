@@ -145,3 +145,10 @@ def test_stop_string_and_eos_end_requests(smollm):
     assert cut.finish_reason == "stop" and "Paris" not in cut.text
     assert plain.text.startswith(cut.text)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_cli_generate_offline(capsys):
+    from daemon.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out

@@ -1,0 +1,144 @@
+"""AsyncEngine: the engine loop as one asyncio task, the forward pass on one runner thread.
+
+```
+loop thread:   schedule N | schedule N+1 | process N, stream N | schedule N+2 | process N+1 ...
+runner thread:            | execute N ------------------------ | execute N+1 -------------- ...
+```
+A batch queue of depth 2: while step N runs, step N+1 is already scheduled and queued, so
+the runner never waits for Python between steps. Decode requests in N are scheduled for
+N+1 with a placeholder token that the runner fills from N's sampled ids. With `overlap`
+off the queue depth is 1 (schedule, execute, process, repeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from daemon.engine import Delta, Engine
+from scheduling import SLO, RunnerOutput, SamplingParams, SchedulerOutput
+
+log = logging.getLogger("headrace.engine")
+
+
+class AsyncEngine:
+    """Owns the Engine; only its loop task touches scheduler state (one owner).
+
+    Handlers call `generate` and iterate the deltas; leaving the iteration early (a client
+    that disconnects) aborts the request and frees its blocks at the next step.
+    """
+
+    def __init__(self, engine: Engine, overlap: bool = True) -> None:
+        self.engine = engine
+        self.depth = 2 if overlap else 1
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+        self._streams: dict[str, asyncio.Queue[Delta]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # Called once per loop iteration (the systemd watchdog pings from here).
+        self.on_iteration: Callable[[], None] | None = None
+        self.num_steps = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_in_flight_requests(self) -> int:
+        return len(self._streams)
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        slo: SLO | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Add a request and yield its deltas until it finishes.
+
+        Raises ValueError (bad input) or QueueFullError (come back later) before yielding.
+        """
+        self.start()
+        rid = self.engine.add_request(prompt, params, request_id, priority, slo, cache_salt)
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.engine.abort([rid])
+                self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort([request_id])
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Future[RunnerOutput]]] = deque()
+        while True:
+            if self.on_iteration is not None:
+                self.on_iteration()
+            if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
+                so = self.engine.scheduler.schedule()
+                if not so.is_empty:
+                    in_flight.append((so, loop.run_in_executor(self._executor, self._execute, so)))
+                    if len(in_flight) < self.depth:
+                        continue  # queue the next step before waiting on this one
+                else:
+                    # Nothing runnable (all waiting on grammars or deferred): apply rejections,
+                    # let the runner drop finished state, and wait for news.
+                    self._dispatch(self.engine.process(so, self.engine.execute(so)))
+            if in_flight:
+                so, future = in_flight.popleft()
+                try:
+                    ro = await future
+                except Exception as e:
+                    self._dispatch(self.engine.fail_step(so, e))
+                else:
+                    self._dispatch(self.engine.process(so, ro))
+                self.num_steps += 1
+                continue
+            self._wake.clear()
+            if not self.engine.has_unfinished_requests():
+                self.engine.release_finished()
+            if self.engine.has_unfinished_requests():
+                # Requests exist but none can run now: poll gently instead of spinning.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+            else:
+                await self._wake.wait()
+
+    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self.engine.execute(so)
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)

@@ -1,0 +1,97 @@
+"""AsyncEngine: the batch-queue loop gives the same greedy tokens as the plain step loop."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from model_fixtures import engine_for, make_tiny_hf_model
+
+from daemon.async_engine import AsyncEngine
+from daemon.engine import LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.model_runner import kv_bytes_per_block
+from scheduling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> LoadedModel:
+    directory = tmp_path_factory.mktemp("llama")
+    make_tiny_hf_model("llama", directory)
+    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    out: list[int] = []
+    async for delta in engine.generate(prompt, params):
+        out += delta.token_ids
+    return out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_overlap_on_and_off_match_the_step_loop(tiny_llama, overlap):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ps = prompts(8)
+    reference = [c.token_ids for c in engine_for(tiny_llama, block_size=4).generate(ps, params)]
+    engine = AsyncEngine(
+        engine_for(
+            tiny_llama,
+            block_size=4,
+            max_num_batched_tokens=16,
+            kv_cache_memory=24 * kv_bytes_per_block(tiny_llama.config, 4, torch.float32),
+        ),
+        overlap=overlap,
+    )
+    try:
+        got = await asyncio.gather(*(collect(engine, p, params) for p in ps))
+        assert got == reference
+        assert engine.engine.scheduler.num_preemptions > 0  # small pool: recompute happened too
+        kv = engine.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks
+        # Once idle, the loop tells the runner to drop the last finished requests' state.
+        for _ in range(200):
+            if not engine.engine.runner.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.engine.runner.requests
+    finally:
+        await engine.stop()
+
+
+async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama):
+    engine = AsyncEngine(engine_for(tiny_llama, block_size=4))
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        stream = engine.generate(prompts(1)[0], params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        other = await collect(engine, prompts(2)[1], SamplingParams(max_tokens=3, temperature=0))
+        assert len(other) <= 3
+        kv = engine.engine.kv
+        assert not engine.engine.scheduler.has_unfinished_requests()
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        await engine.stop()
+
+
+async def test_bad_request_raises_before_streaming_and_loop_survives(tiny_llama):
+    engine = AsyncEngine(engine_for(tiny_llama, max_model_len=64))
+    try:
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate([5] * 100, SamplingParams()):
+                pass
+        with pytest.raises(ValueError, match="token ids"):
+            async for _ in engine.generate([10**6], SamplingParams()):
+                pass
+        ok = await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(ok) == 2
+    finally:
+        await engine.stop()
