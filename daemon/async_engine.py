@@ -18,11 +18,39 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from daemon.engine import Delta, Engine
 from scheduling import SLO, RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("headrace.engine")
+
+
+class RequestStream:
+    """The deltas of one request. `close()` before the end aborts it (blocks return)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        if delta.finished:
+            self.finished = True
+            self.engine._streams.pop(self.request_id, None)
+        return delta
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -41,6 +69,8 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         # Called once per loop iteration (the systemd watchdog pings from here).
         self.on_iteration: Callable[[], None] | None = None
+        # When set, an idle loop still wakes this often (so the watchdog keeps pinging).
+        self.idle_timeout: float | None = None
         self.num_steps = 0
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -61,9 +91,12 @@ class AsyncEngine:
     def num_in_flight_requests(self) -> int:
         return len(self._streams)
 
+    def in_flight_ids(self) -> list[str]:
+        return list(self._streams)
+
     # -- requests ------------------------------------------------------------------------
 
-    async def generate(
+    def add_request(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
@@ -71,30 +104,33 @@ class AsyncEngine:
         priority: int = 0,
         slo: SLO | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[Delta]:
-        """Add a request and yield its deltas until it finishes.
+    ) -> RequestStream:
+        """Queue a request now; iterate the returned stream for its deltas.
 
-        Raises ValueError (bad input) or QueueFullError (come back later) before yielding.
+        Raises ValueError (bad input) or QueueFullError (come back later) right here.
         """
         self.start()
         rid = self.engine.add_request(prompt, params, request_id, priority, slo, cache_salt)
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self._streams[rid] = queue
+        stream = RequestStream(self, rid)
+        self._streams[rid] = stream.queue
         self._wake.set()
-        finished = False
+        return stream
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kw: Any
+    ) -> AsyncIterator[Delta]:
+        """Add a request and yield its deltas until it finishes (aborted if left early)."""
+        stream = self.add_request(prompt, params, **kw)
         try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.finished
+            async for delta in stream:
                 yield delta
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.engine.abort([rid])
-                self._wake.set()
+            stream.close()
 
     def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
         self.engine.abort([request_id])
+        self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -132,7 +168,8 @@ class AsyncEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.01)
             else:
-                await self._wake.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
 
     def _execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self.engine.execute(so)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from daemon.serve_config import add_serve_arguments, build_serve_config
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
@@ -42,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="step cost in seconds: base + per prefill token + per decode token + per context "
         "token (default: a small model on one GPU)",
     )
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP/SSE daemon",
+        description="Serve a model over HTTP (TCP and/or a Unix socket) with the "
+        "OpenAI-compatible API. Options come from flags, then HEADRACE_* environment "
+        "variables, then a TOML file (--config), then defaults.",
+    )
+    add_serve_arguments(serve)
     gen = sub.add_parser(
         "generate",
         help="generate text for one prompt, offline, and print it as it streams",
@@ -128,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            from daemon.server import run
+
+            return run(build_serve_config(args))
     except (ValueError, LookupError, OSError) as e:
         print(f"headrace: error: {e}", file=sys.stderr)
         return 2

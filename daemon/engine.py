@@ -148,7 +148,7 @@ class Engine:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
             else:
-                budget = min(_available_ram() // 4, 2 << 30)
+                budget = min(_available_ram() // 4, 1 << 30)
         if budget < per_block:
             raise ValueError(
                 f"kv_cache_memory: {budget} bytes holds no block ({per_block} bytes per block)"

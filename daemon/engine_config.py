@@ -1,38 +1,57 @@
-"""Every knob of the engine, with defaults a user can reason about."""
+"""Every knob of the engine, with defaults a user can reason about.
+
+Each field's `help` is what `headrace serve --help` prints: one source of truth.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def opt(default: object, help: str) -> object:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """What model to run, where, and under which budgets."""
 
-    # GGUF file or HF directory; None serves the embedded SmolLM2-135M-Instruct.
-    model: str | None = None
-    # "cpu", "cuda", "cuda:1", or "auto" (CUDA when available).
-    device: str = "auto"
-    # "auto": float32 on CPU (bf16 matmuls are ~1 GFLOP/s without AVX-512/AMX), bfloat16 on CUDA.
-    dtype: str = "auto"
-    block_size: int = 16
-    # Bytes of KV cache; None: a quarter of available RAM on CPU (at most 2 GiB), or
-    # gpu_memory_utilization of the free device memory after loading the weights.
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    # None: the model's context length, capped at 8192 tokens.
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    long_prefill_token_threshold: int = 0
-    max_waiting: int = 0
-    enable_prefix_caching: bool = True
-    prefix_cache_hash: str = "sha256"
-    policy: str = "fcfs"
-    # torch intra-op threads; None: all cores but one on CPU, so the event loop, tokenizer
-    # and HTTP keep a core and never stall a libgomp team (which spins when a core is taken).
-    threads: int | None = None
+    model: str | None = opt(
+        None, "GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (CUDA when available)")
+    dtype: str = opt(
+        "auto",
+        "float32, bfloat16, float16, or auto (float32 on CPU, where bf16 matmuls are slow "
+        "without AVX-512/AMX; bfloat16 on CUDA)",
+    )
+    block_size: int = opt(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = opt(
+        None,
+        "bytes of KV cache (default: a quarter of available RAM, at most 1 GiB, on CPU; "
+        "gpu-memory-utilization of free device memory on CUDA)",
+    )
+    gpu_memory_utilization: float = opt(0.9, "fraction of free CUDA memory for the KV cache")
+    max_model_len: int | None = opt(
+        None, "longest prompt + output in tokens (default: the model's, capped at 8192)"
+    )
+    max_num_batched_tokens: int = opt(2048, "token budget of one step (prefill + decode)")
+    max_num_seqs: int = opt(64, "most requests in one step")
+    long_prefill_token_threshold: int = opt(
+        0, "most tokens one prompt takes in one step (0: the whole budget)"
+    )
+    max_waiting: int = opt(256, "waiting requests beyond this are refused with 429 (0: no limit)")
+    enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
+    prefix_cache_hash: str = opt(
+        "sha256", "block hash: sha256 or builtin (faster, not safe across tenants)"
+    )
+    policy: str = opt("fcfs", "scheduling policy (entry point in headrace.policies)")
+    threads: int | None = opt(
+        None,
+        "torch intra-op threads (default: all cores but one, so the event loop and tokenizer "
+        "keep a core and never stall a libgomp team, which spins when a core is taken)",
+    )
 
 
 def default_threads() -> int:

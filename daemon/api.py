@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP API on aiohttp: completions, chat, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from daemon.async_engine import AsyncEngine
+from daemon.choices import Choice, chat_logprobs, completion_logprobs, merged
+from daemon.engine import Delta
+from daemon.metrics import Metrics
+from daemon.openai_protocol import (
+    APIError,
+    GenerationRequest,
+    new_id,
+    now,
+    parse_messages,
+    parse_request,
+    usage,
+)
+from scheduling import QueueFullError
+
+log = logging.getLogger("headrace.api")
+RETRY_AFTER_S = "1"
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None):
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return json_response(e.body(), e.status, e.headers)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return json_response(APIError(500, "internal error", kind="server_error").body(), 500)
+
+
+class APIServer:
+    """Handlers over one AsyncEngine. `draining` makes new generation requests answer 503."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.draining = False
+        self.created = now()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[errors], client_max_size=16 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        return app
+
+    # -- simple endpoints ----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response({"status": "draining"}, 503)
+        return json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "headrace",
+            "max_model_len": self.engine.engine.scheduler.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body = self.metrics.render(self.engine.engine)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                kind="unavailable",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise APIError(400, f"body: invalid JSON: {e}") from None
+        req = parse_request(body, chat)
+        if req.model not in (None, self.model_name):
+            raise APIError(
+                404,
+                f"model: {req.model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                kind="not_found_error",
+            )
+        prompts = [self._chat_prompt(body)] if chat else req.prompts
+        choices = self._add(req, prompts)
+        try:
+            firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
+            for choice, first in zip(choices, firsts):
+                choice.add(first)
+                if first.finish_reason == "rejected":
+                    raise APIError(
+                        503,
+                        f"rejected: {first.stop_reason}",
+                        kind="unavailable",
+                        headers={"Retry-After": RETRY_AFTER_S},
+                    )
+            if req.stream:
+                return await self._stream(request, req, choices, firsts, chat)
+            async for choice, delta in merged(choices, []):
+                choice.add(delta)
+            return json_response(self._full_body(req, choices, chat))
+        finally:
+            for choice in choices:
+                choice.stream.close()
+                self._observe(choice)
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template", "messages")
+        text = tokenizer.apply_chat_template(
+            parse_messages(body), add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _add(self, req: GenerationRequest, prompts: list[str | list[int]]) -> list[Choice]:
+        engine = self.engine.engine
+        max_len = engine.scheduler.max_model_len
+        choices: list[Choice] = []
+        try:
+            for p_index, prompt in enumerate(prompts):
+                ids = engine.tokenize(prompt)
+                if len(ids) >= max_len:
+                    raise APIError(
+                        400,
+                        f"prompt: {len(ids)} tokens leave no room to generate; "
+                        f"max_model_len is {max_len}",
+                        "prompt",
+                    )
+                params = req.params
+                room = max_len - len(ids)
+                if params.max_tokens > room:
+                    if params.max_tokens != 1 << 30:
+                        raise APIError(
+                            400,
+                            f"max_tokens: {len(ids)} prompt tokens + "
+                            f"{params.max_tokens} exceed max_model_len {max_len}",
+                            "max_tokens",
+                        )
+                    params = replace(params, max_tokens=room)
+                for i in range(req.n):
+                    seed = params.seed + i if params.seed is not None and i else params.seed
+                    stream = self.engine.add_request(
+                        ids, replace(params, seed=seed), None, req.priority, req.slo, req.cache_salt
+                    )
+                    choices.append(Choice(p_index * req.n + i, stream, p_index))
+        except QueueFullError as e:
+            self._close(choices)
+            raise APIError(
+                429, str(e), kind="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_S}
+            ) from None
+        except ValueError as e:
+            self._close(choices)
+            param = str(e).split(":", 1)[0] if ":" in str(e) else None
+            raise APIError(400, str(e), param) from None
+        except BaseException:
+            self._close(choices)
+            raise
+        return choices
+
+    @staticmethod
+    def _close(choices: list[Choice]) -> None:
+        for choice in choices:
+            choice.stream.close()
+
+    # -- responses -----------------------------------------------------------------------
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.engine.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def _full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = (
+                    chat_logprobs(c.logprobs, self._decode)
+                    if chat
+                    else completion_logprobs(c, self._decode)
+                )
+            item: dict[str, Any] = {
+                "index": c.index,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
+            if chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            out.append(item)
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self._usage(choices),
+        }
+
+    @staticmethod
+    def _usage(choices: list[Choice]) -> dict[str, Any]:
+        # A prompt counts once however many choices (n) it has.
+        prompts = {c.prompt_index: c for c in choices}.values()
+        return usage(
+            sum(c.prompt_tokens for c in prompts),
+            sum(c.completion_tokens for c in choices),
+            sum(c.cached_tokens for c in prompts),
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        choices: list[Choice],
+        firsts: list[Delta],
+        chat: bool,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload: dict[str, Any]) -> None:
+            await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+        def chunk(items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": items,
+                **extra,
+            }
+
+        if chat:
+            await send(
+                chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for c in choices
+                    ]
+                )
+            )
+        async for choice, delta in merged(choices, firsts):
+            if delta is not firsts[choices.index(choice)]:
+                choice.add(delta)
+            if not delta.text and not delta.finished and not delta.logprobs:
+                continue
+            logprobs = None
+            if req.logprobs is not None and delta.logprobs:
+                entries = [(t, lp[0], lp[1]) for t, lp in zip(delta.token_ids, delta.logprobs)]
+                view = Choice(choice.index, choice.stream, logprobs=entries)
+                logprobs = (
+                    chat_logprobs(entries, self._decode)
+                    if chat
+                    else completion_logprobs(view, self._decode)
+                )
+            item: dict[str, Any] = {
+                "index": choice.index,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+            if chat:
+                item["delta"] = {"content": delta.text} if delta.text else {}
+            else:
+                item["text"] = delta.text
+            await send(chunk([item]))
+        if req.include_usage:
+            await send(chunk([], usage=self._usage(choices)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _observe(self, c: Choice) -> None:
+        m = self.metrics
+        if c.ttft is not None:
+            m.ttft.observe(c.ttft)
+        for gap in c.gaps:
+            m.itl.observe(gap)
+        elapsed = (c.last_token_time or c.arrival) - c.arrival
+        if c.finish_reason is not None:
+            m.e2e.observe(elapsed)
+            m.prompt_tokens.inc(c.prompt_tokens)
+        m.generation_tokens.inc(c.completion_tokens)
+        reason = c.finish_reason or "abort"
+        m.finished.labels(reason).inc()
+        log.info(
+            "request %s prompt=%d output=%d cached=%d ttft=%s e2e=%.0fms finish=%s",
+            c.stream.request_id,
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.cached_tokens,
+            f"{c.ttft * 1000:.0f}ms" if c.ttft is not None else "-",
+            elapsed * 1000,
+            reason,
+        )

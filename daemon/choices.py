@@ -1,0 +1,113 @@
+"""Per-choice bookkeeping for one HTTP request: text, logprobs, timings, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.async_engine import RequestStream
+from daemon.engine import Delta
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion choice as it accumulates."""
+
+    index: int
+    stream: RequestStream
+    # Which prompt of the request it answers (usage counts each prompt once).
+    prompt_index: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # Time between consecutive deltas, for the inter-token latency histogram.
+    gaps: list[float] = field(default_factory=list)
+
+    def add(self, delta: Delta) -> None:
+        now = time.monotonic()
+        if delta.token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            elif self.last_token_time is not None:
+                self.gaps.append(now - self.last_token_time)
+            self.last_token_time = now
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        for token_id, lp in zip(delta.token_ids, delta.logprobs or []):
+            self.logprobs.append((token_id, lp[0], lp[1]))
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = delta.completion_tokens or self.completion_tokens
+        self.cached_tokens = delta.cached_tokens or self.cached_tokens
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+
+async def merged(choices: list[Choice], firsts: list[Delta]) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Deltas of all choices in arrival order, starting with each one's first delta."""
+    queue: asyncio.Queue[tuple[Choice, Delta | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        async for delta in choice.stream:
+            queue.put_nowait((choice, delta))
+        queue.put_nowait((choice, None))
+
+    for choice, first in zip(choices, firsts):
+        yield choice, first
+    tasks = [asyncio.create_task(pump(c)) for c in choices if not c.stream.finished]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, delta = await queue.get()
+            if delta is None:
+                remaining -= 1
+            else:
+                yield choice, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def completion_logprobs(choice: Choice, decode: Any) -> dict[str, Any]:
+    """The legacy completions `logprobs` object."""
+    tokens, offsets, offset = [], [], 0
+    for token_id, _, _ in choice.logprobs:
+        text = decode(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in choice.logprobs],
+        "top_logprobs": [{decode(t): v for t, v in top.items()} for _, _, top in choice.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[tuple[int, float, dict[int, float]]], decode: Any) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(k, v) for k, v in top.items()]}
+            for t, lp, top in entries
+        ]
+    }

@@ -1,0 +1,69 @@
+"""Prometheus metrics (prometheus-client), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from daemon.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Request-level histograms and counters, plus engine gauges read at scrape time."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("headrace_requests_running", "Requests in the running set", registry=r)
+        self.waiting = Gauge(
+            "headrace_requests_waiting", "Requests waiting to be scheduled", registry=r
+        )
+        self.kv_usage = Gauge(
+            "headrace_kv_cache_usage", "Fraction of KV blocks in use (0-1)", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "headrace_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.prefix_queries = Gauge(
+            "headrace_prefix_cache_queries_tokens", "Prompt tokens looked up", registry=r
+        )
+        self.preemptions = Gauge("headrace_preemptions", "Preemptions since start", registry=r)
+        self.ttft = Histogram(
+            "headrace_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "headrace_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "headrace_e2e_request_latency_seconds",
+            "Request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "headrace_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "headrace_generation_tokens", "Tokens generated", registry=r
+        )
+        self.finished = Counter(
+            "headrace_requests_finished", "Finished requests", ["finish_reason"], registry=r
+        )
+
+    def render(self, engine: Engine) -> bytes:
+        sched, kv = engine.scheduler, engine.kv
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(kv.usage())
+        self.prefix_hit_rate.set(kv.prefix_stats.hit_rate)
+        self.prefix_queries.set(kv.prefix_stats.queries)
+        self.preemptions.set(sched.num_preemptions)
+        return generate_latest(self.registry)

@@ -1,0 +1,226 @@
+"""OpenAI-compatible request parsing and response shapes (completions and chat)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduling import SLO, SamplingParams, SamplingParamsError
+
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status; `param` names the field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def _get(
+    body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None
+) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    # bool is an int in Python; never accept it where a number is meant.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise APIError(400, f"{key}: expected {_name(types)}, got a boolean", key)
+    if not isinstance(value, types):
+        raise APIError(400, f"{key}: expected {_name(types)}, got {type(value).__name__}", key)
+    return value
+
+
+def _name(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(
+        {
+            int: "integer",
+            float: "number",
+            str: "string",
+            bool: "boolean",
+            list: "array",
+            dict: "object",
+        }.get(t, t.__name__)
+        for t in ts
+    )
+
+
+_UNSUPPORTED = {
+    "suffix": "suffix is not supported",
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "response_format": "response_format arrives with structured output (grammars)",
+}
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What the API layer hands the engine for one HTTP request."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    slo: SLO | None = None
+    cache_salt: str | None = None
+    model: str | None = None
+    # Completions: int top-N; chat: top_logprobs with logprobs=true.
+    logprobs: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_request(body: Any, chat: bool) -> GenerationRequest:
+    """Validate a completions or chat body; APIError(400, field) on anything wrong."""
+    if not isinstance(body, dict):
+        raise APIError(400, "body: expected a JSON object")
+    for key, why in _UNSUPPORTED.items():
+        if body.get(key) not in (None, [], {}):
+            raise APIError(400, f"{key}: {why}", key)
+    if chat:
+        prompts: list[str | list[int]] = []  # filled by the server from the chat template
+        max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
+        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
+    else:
+        prompts = _parse_prompt(body.get("prompt"))
+        max_tokens = _get(body, "max_tokens", int, 16)
+        logprobs = _get(body, "logprobs", int)
+        if _get(body, "echo", bool):
+            raise APIError(400, "echo: not supported", "echo")
+        if _get(body, "best_of", int, 1) != 1:
+            raise APIError(400, "best_of: only 1 is supported", "best_of")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n: must be in [1, {MAX_N}], got {n}", "n")
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop: expected a string or an array of strings", "stop")
+    logit_bias = _get(body, "logit_bias", dict, {})
+    try:
+        bias = {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError):
+        raise APIError(
+            400, "logit_bias: keys must be token ids, values numbers", "logit_bias"
+        ) from None
+    seed = _get(body, "seed", int)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else 1 << 30,
+            temperature=float(_get(body, "temperature", (int, float), 1.0)),
+            top_p=float(_get(body, "top_p", (int, float), 1.0)),
+            top_k=_get(body, "top_k", int, 0),
+            min_p=float(_get(body, "min_p", (int, float), 0.0)),
+            seed=seed,
+            stop=stop,
+            stop_token_ids=_get(body, "stop_token_ids", list, []),
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+            ignore_eos=_get(body, "ignore_eos", bool, False),
+            min_tokens=_get(body, "min_tokens", int, 0),
+            presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
+            frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+            logprobs=logprobs,
+            logit_bias=bias,
+            skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        )
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), e.field) from None
+    slo_body = _get(body, "slo", dict)
+    try:
+        slo = SLO(slo_body.get("ttft_ms"), slo_body.get("tpot_ms")) if slo_body else None
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), "slo") from None
+    options = _get(body, "stream_options", dict, {})
+    return GenerationRequest(
+        prompts=prompts,
+        params=params,
+        n=n,
+        stream=_get(body, "stream", bool, False),
+        include_usage=bool(options.get("include_usage")),
+        priority=_get(body, "priority", int, 0),
+        slo=slo,
+        cache_salt=_get(body, "cache_salt", str),
+        model=_get(body, "model", str),
+        logprobs=logprobs,
+        extra={"user": _get(body, "user", str)},
+    )
+
+
+def _parse_prompt(prompt: Any) -> list[str | list[int]]:
+    """A string, an array of strings, an array of token ids, or an array of those."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise APIError(
+        400,
+        "prompt: expected a non-empty string, array of strings, or array of token ids",
+        "prompt",
+    )
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: expected a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}]: expected an object with a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(
+                    400, f"messages[{i}].content: only text parts are supported", "messages"
+                )
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content: expected a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -1,0 +1,158 @@
+"""`headrace serve`: one uvloop process, TCP and/or a Unix socket, run well by systemd.
+
+Lifecycle: load and warm up the model -> listen (inherited sockets under socket
+activation) -> READY=1 -> serve -> SIGTERM: STOPPING=1, stop accepting, let in-flight
+requests finish for up to --drain-timeout, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import uvloop
+from aiohttp import web
+
+from daemon.api import APIServer
+from daemon.async_engine import AsyncEngine
+from daemon.engine import Engine
+from daemon.metrics import Metrics
+from daemon.serve_config import ServeConfig
+from daemon.systemd import Notifier, inherited_sockets
+from scheduling import SamplingParams
+
+log = logging.getLogger("headrace.server")
+
+
+def configure_logging(level: str, under_systemd: bool) -> None:
+    # journald adds its own timestamps; a terminal wants them.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not under_systemd:
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0660.
+
+    An existing socket file is replaced only if nothing answers on it (a stale one from a
+    crash); a live server or a file that is not a socket is left alone with an error.
+    """
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise FileExistsError(f"uds: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            p.unlink(missing_ok=True)
+        else:
+            raise FileExistsError(f"uds: another server is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The umask keeps the socket from being world-accessible between bind and chmod.
+    old = os.umask(0o117)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    sock.listen(512)
+    return sock
+
+
+async def warm_up(engine: AsyncEngine) -> None:
+    """One tiny request through the whole path, so the first client pays no first-call costs."""
+    async for _ in engine.generate(
+        [engine.engine.eos_token_id or 0, 1, 2],
+        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+    ):
+        pass
+
+
+async def serve(config: ServeConfig) -> int:
+    notifier = Notifier()
+    configure_logging(config.server.log_level, notifier.enabled)
+    loop = asyncio.get_running_loop()
+    notifier.status("loading model")
+    engine = Engine(config.engine)
+    name = config.server.served_model_name or engine.model_name
+    async_engine = AsyncEngine(engine, overlap=config.server.overlap)
+    async_engine.on_iteration = notifier.watchdog
+    if notifier.watchdog_interval is not None:
+        async_engine.idle_timeout = notifier.watchdog_interval
+    notifier.status("warming up")
+    await warm_up(async_engine)
+    api = APIServer(async_engine, name, Metrics())
+    runner = web.AppRunner(
+        api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    sites: list[web.BaseSite] = []
+    uds_sock: socket.socket | None = None
+    inherited = inherited_sockets()
+    if inherited:
+        sites = [web.SockSite(runner, sock) for sock in inherited]
+    else:
+        if config.server.host:
+            sites.append(
+                web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
+            )
+        if config.server.uds:
+            uds_sock = bind_unix_socket(config.server.uds)
+            sites.append(web.SockSite(runner, uds_sock))
+    if not sites:
+        raise ValueError("host/uds: nothing to listen on (give --host, --uds, or sockets)")
+    for site in sites:
+        await site.start()
+    where = ", ".join(_describe(site) for site in sites)
+    log.info("serving %s on %s", name, where)
+    notifier.ready(f"serving {name} on {where}")
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("stopping: draining %d in-flight requests", async_engine.num_in_flight_requests)
+    notifier.stopping("draining")
+    api.draining = True
+    for site in sites:
+        await site.stop()
+    deadline = time.monotonic() + config.server.drain_timeout
+    while async_engine.num_in_flight_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for request_id in list(async_engine.in_flight_ids()):
+        async_engine.abort(request_id)
+    await runner.cleanup()
+    await async_engine.stop()
+    if uds_sock is not None and config.server.uds:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.server.uds)
+    log.info("stopped")
+    return 0
+
+
+def _describe(site: web.BaseSite) -> str:
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    names = []
+    for sock in sockets:
+        addr = sock.getsockname()
+        names.append(
+            f"unix:{addr}" if sock.family == socket.AF_UNIX else f"http://{addr[0]}:{addr[1]}"
+        )
+    return ", ".join(names) or site.name
+
+
+def run(config: ServeConfig) -> int:
+    return uvloop.run(serve(config))

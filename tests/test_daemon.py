@@ -1,0 +1,380 @@
+"""End to end: the real daemon on the embedded model, over TCP and a Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import aiohttp
+import httpx
+import openai
+import pytest
+from daemon_fixtures import Daemon
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(
+        tmp_path_factory.mktemp("daemon"),
+        "--max-model-len",
+        "512",
+        "--policy",
+        "slo",
+        "--max-num-seqs",
+        "40",
+        env={"WATCHDOG_USEC": "2000000"},
+    )
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def model(daemon) -> str:
+    return httpx.get(f"{daemon.url}/v1/models").json()["data"][0]["id"]
+
+
+def client(daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_ready_status_and_watchdog(daemon):
+    assert "STATUS=serving" in daemon.ready and "MAINPID=" in daemon.ready
+    daemon.notify.messages.clear()
+    daemon.notify.wait_for("WATCHDOG=1", timeout=5)  # pings even while idle
+
+
+def test_openai_chat_and_completions_non_streaming(daemon, model):
+    c = client(daemon)
+    chat = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=20, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 10
+    comp = c.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
+    assert comp.choices[0].finish_reason == "length"
+    assert comp.usage.completion_tokens == 6
+    assert comp.choices[0].text.strip().startswith("5")
+
+
+def test_openai_streaming_with_usage(daemon, model):
+    c = client(daemon)
+    chunks = list(
+        c.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    parts = list(
+        c.completions.create(
+            model=model, prompt="The sky is", max_tokens=5, temperature=0, stream=True
+        )
+    )
+    full = c.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=0)
+    assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_n_seed_stop_and_logprobs(daemon, model):
+    c = client(daemon)
+    many = c.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=8, n=3, seed=5, temperature=1.0
+    )
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
+    again = c.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=8, n=3, seed=5, temperature=1.0
+    )
+    assert [ch.text for ch in many.choices] == [ch.text for ch in again.choices]
+    stopped = c.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=30, temperature=0, stop=["Paris"]
+    )
+    assert "Paris" not in stopped.choices[0].message.content
+    assert stopped.choices[0].finish_reason == "stop"
+    lp = c.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and t.token == t.top_logprobs[0].token for t in content)
+
+
+def test_unix_socket_with_aiohttp_openai_and_curl(daemon, model):
+    async def via_aiohttp() -> dict:
+        conn = aiohttp.UnixConnector(path=daemon.uds)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+            async with s.post("http://localhost/v1/completions", json=body) as r:
+                assert r.status == 200
+                return await r.json()
+
+    assert asyncio.run(via_aiohttp())["usage"]["completion_tokens"] == 3
+    uds_client = openai.OpenAI(
+        base_url="http://localhost/v1",
+        api_key="unused",
+        http_client=httpx.Client(transport=httpx.HTTPTransport(uds=daemon.uds)),
+    )
+    chat = uds_client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=20, temperature=0
+    )
+    assert "Paris" in chat.choices[0].message.content
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            "--unix-socket",
+            daemon.uds,
+            "http://localhost/v1/completions",
+            "-d",
+            '{"prompt": "Hi", "max_tokens": 3, "stream": true}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.rstrip().endswith("data: [DONE]")
+    assert out.stdout.count("data: {") == 3
+
+
+async def test_32_concurrent_streams_match_each_prompt_alone(daemon, model):
+    c = openai.AsyncOpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+
+    async def run(prompt: str) -> str:
+        stream = await c.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([part.choices[0].text async for part in stream])
+
+    together = await asyncio.gather(*(run(p) for p in prompts))
+    alone = [await run(p) for p in prompts]
+    assert together == alone
+    assert all(together)
+
+
+def test_health_answers_fast_while_a_long_batch_runs(daemon, model):
+    async def main() -> list[float]:
+        c = openai.AsyncOpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+        batch = [
+            asyncio.create_task(
+                c.completions.create(
+                    model=model,
+                    prompt=f"Story {i}:",
+                    max_tokens=60,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            for i in range(24)
+        ]
+        await asyncio.sleep(1.0)  # the batch is decoding now
+        lags = []
+        async with httpx.AsyncClient(base_url=daemon.url) as h:
+            for _ in range(10):
+                t = time.perf_counter()
+                assert (await h.get("/health")).status_code == 200
+                lags.append(time.perf_counter() - t)
+                await asyncio.sleep(0.1)
+        assert not all(t.done() for t in batch)  # measured while the model was busy
+        await asyncio.gather(*batch)
+        return lags
+
+    lags = asyncio.run(main())
+    assert max(lags) < 0.05, lags
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(daemon):
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "prompt": "Count slowly:",
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            async with s.post(f"{daemon.url}/v1/completions", json=body) as r:
+                seen = 0
+                async for line in r.content:
+                    seen += line.startswith(b"data: {")
+                    if seen >= 3:
+                        break  # leave: the connection closes
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if daemon.metric("headrace_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert daemon.metric("headrace_requests_running") == 0
+    assert daemon.metric("headrace_kv_cache_usage") == 0.0
+    assert daemon.metric('headrace_requests_finished_total{finish_reason="abort"}') >= 1
+
+
+@pytest.mark.parametrize(
+    "body,status,field",
+    [
+        ({"prompt": "word " * 600, "max_tokens": 4}, 400, "prompt"),
+        ({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": 5}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-5"}, 404, "model"),
+        ({"prompt": "hi", "slo": {"ttft_ms": -1}}, 400, "slo"),
+    ],
+)
+def test_bad_input_names_the_field(daemon, body, status, field):
+    r = httpx.post(f"{daemon.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+
+
+def test_malformed_json_and_bad_messages(daemon):
+    r = httpx.post(f"{daemon.url}/v1/completions", content=b"{nope", timeout=30)
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{daemon.url}/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert daemon.metric("headrace_requests_running") == 0  # nothing leaked, loop alive
+    ok = httpx.post(f"{daemon.url}/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_slo_policy_rejection_answers_503_with_reason(daemon):
+    body = {"prompt": "hello " * 100, "max_tokens": 4, "slo": {"ttft_ms": 0.001}}
+    r = httpx.post(f"{daemon.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503
+    assert "ttft_ms" in r.json()["error"]["message"] and r.headers["Retry-After"]
+    assert daemon.metric("headrace_kv_cache_usage") == 0.0
+
+
+def test_metrics_are_prometheus(daemon):
+    text = httpx.get(f"{daemon.url}/metrics").text
+    for name in (
+        "headrace_time_to_first_token_seconds_bucket",
+        "headrace_prompt_tokens_total",
+        "headrace_generation_tokens_total",
+        "headrace_prefix_cache_hit_rate",
+        "headrace_inter_token_latency_seconds_count",
+        "headrace_preemptions",
+    ):
+        assert name in text
+    assert "finish=" in daemon.log.read_text()  # one log line per request
+
+
+def test_queue_full_429_then_sigterm_drains_and_exits_zero(tmp_path):
+    d = Daemon(tmp_path, "--max-num-seqs", "1", "--max-waiting", "1", "--drain-timeout", "1")
+    try:
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+                body = {"prompt": "Tell a long story.", "max_tokens": 300, "ignore_eos": True}
+                first = asyncio.create_task(h.post("/v1/completions", json=body))
+                await asyncio.sleep(0.5)
+                second = asyncio.create_task(h.post("/v1/completions", json=body))
+                await asyncio.sleep(0.5)
+                third = await h.post("/v1/completions", json=body)
+                assert third.status_code == 429 and third.headers["Retry-After"] == "1"
+                assert "waiting queue is full" in third.json()["error"]["message"]
+                code = await asyncio.to_thread(d.terminate)
+                assert d.notify.wait_for("STOPPING=1", timeout=1)
+                results = await asyncio.gather(first, second, return_exceptions=True)
+                return [code, *[getattr(r, "status_code", 0) for r in results]]
+
+        code, *_ = asyncio.run(main())
+        assert code == 0
+        assert "stopped" in d.log.read_text()
+        assert not (tmp_path / "headrace.sock").exists()  # the socket file is removed on exit
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-socket-activate") is None,
+    reason="needs systemd-socket-activate (Debian package systemd)",
+)
+def test_socket_activation_serves_on_the_inherited_socket(tmp_path):
+    import os
+    import sys
+
+    from daemon_fixtures import NotifyListener, free_port
+
+    port = free_port()
+    notify = NotifyListener(tmp_path / "notify.sock")
+    log = (tmp_path / "log").open("w")
+    proc = subprocess.Popen(
+        [
+            "systemd-socket-activate",
+            "-l",
+            f"127.0.0.1:{port}",
+            "-E",
+            f"NOTIFY_SOCKET={notify.path}",
+            "-E",
+            f"PYTHONPATH={os.getcwd()}",
+            sys.executable,
+            "-m",
+            "daemon.cli",
+            "serve",
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            str(64 << 20),
+            "--port",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # The listening socket exists before the daemon: this request waits in its backlog.
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 2},
+            timeout=180,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert "READY=1" in notify.wait_for("READY=1", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        notify.close()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_unit_files_verify(tmp_path):
+    import sys
+    from pathlib import Path
+
+    units = Path(__file__).resolve().parents[1] / "daemon" / "units"
+    headrace = Path(sys.executable).parent / "headrace"
+    for name in ("headrace.service", "headrace.socket"):
+        text = (units / name).read_text().replace("/usr/local/bin/headrace", str(headrace))
+        (tmp_path / name).write_text(text)
+    out = subprocess.run(
+        [
+            "systemd-analyze",
+            "verify",
+            str(tmp_path / "headrace.service"),
+            str(tmp_path / "headrace.socket"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Type=notify" in (units / "headrace.service").read_text()
