@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from daemon.async_engine import AsyncEngine
-from daemon.choices import Choice, chat_logprobs, completion_logprobs, merged
+from daemon.choices import Choice, LogprobEntry, chat_logprobs, completion_logprobs, merged
 from daemon.engine import Delta
 from daemon.metrics import Metrics
 from daemon.openai_protocol import (
@@ -205,16 +205,15 @@ class APIServer:
         tokenizer = self.engine.engine.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
+    def _logprobs(self, entries: list[LogprobEntry], chat: bool) -> dict[str, Any]:
+        if chat:
+            return chat_logprobs(entries, self._decode)
+        return completion_logprobs(entries, self._decode)
+
     def _full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = (
-                    chat_logprobs(c.logprobs, self._decode)
-                    if chat
-                    else completion_logprobs(c, self._decode)
-                )
+            logprobs = self._logprobs(c.logprobs, chat) if req.logprobs is not None else None
             item: dict[str, Any] = {
                 "index": c.index,
                 "logprobs": logprobs,
@@ -294,12 +293,7 @@ class APIServer:
             logprobs = None
             if req.logprobs is not None and delta.logprobs:
                 entries = [(t, lp[0], lp[1]) for t, lp in zip(delta.token_ids, delta.logprobs)]
-                view = Choice(choice.index, choice.stream, logprobs=entries)
-                logprobs = (
-                    chat_logprobs(entries, self._decode)
-                    if chat
-                    else completion_logprobs(view, self._decode)
-                )
+                logprobs = self._logprobs(entries, chat)
             item: dict[str, Any] = {
                 "index": choice.index,
                 "logprobs": logprobs,

@@ -11,6 +11,9 @@ from typing import Any
 from daemon.async_engine import RequestStream
 from daemon.engine import Delta
 
+# (token id, its logprob, {top token id: logprob})
+LogprobEntry = tuple[int, float, dict[int, float]]
+
 
 @dataclass(slots=True)
 class Choice:
@@ -23,7 +26,7 @@ class Choice:
     arrival: float = field(default_factory=time.monotonic)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_tokens: int = 0
@@ -82,23 +85,23 @@ async def merged(choices: list[Choice], firsts: list[Delta]) -> AsyncIterator[tu
             task.cancel()
 
 
-def completion_logprobs(choice: Choice, decode: Any) -> dict[str, Any]:
+def completion_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, Any]:
     """The legacy completions `logprobs` object."""
     tokens, offsets, offset = [], [], 0
-    for token_id, _, _ in choice.logprobs:
+    for token_id, _, _ in entries:
         text = decode(token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp for _, lp, _ in choice.logprobs],
-        "top_logprobs": [{decode(t): v for t, v in top.items()} for _, _, top in choice.logprobs],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{decode(t): v for t, v in top.items()} for _, _, top in entries],
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(entries: list[tuple[int, float, dict[int, float]]], decode: Any) -> dict:
+def chat_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, Any]:
     """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:

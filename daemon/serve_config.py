@@ -27,7 +27,12 @@ class ServerConfig:
     drain_timeout: float = opt(
         30.0, "seconds to let in-flight requests finish after SIGTERM before aborting them"
     )
-    overlap: bool = opt(True, "schedule step N+1 while step N runs (the batch queue)")
+    overlap: bool | None = opt(
+        None,
+        "schedule step N+1 while step N runs (the batch queue); unset: on with CUDA, off on "
+        "CPU, where the forward is itself Python on the GIL and an overlapped step only "
+        "competes with it (benchmarks/serve_load.py --spawn measures both)",
+    )
     log_level: str = opt("info", "debug, info, warning or error")
 
 
@@ -75,7 +80,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         env = ENV_PREFIX + name.upper()
         default = f.default
         help_text = f"{f.metadata['help']} [env {env}; default {default}]"
-        if str(f.type) == "bool":
+        if str(f.type) in ("bool", "bool | None"):
             parser.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,

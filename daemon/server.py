@@ -87,7 +87,10 @@ async def serve(config: ServeConfig) -> int:
     notifier.status("loading model")
     engine = Engine(config.engine)
     name = config.server.served_model_name or engine.model_name
-    async_engine = AsyncEngine(engine, overlap=config.server.overlap)
+    overlap = config.server.overlap
+    if overlap is None:
+        overlap = engine.device.type == "cuda"
+    async_engine = AsyncEngine(engine, overlap=overlap)
     async_engine.on_iteration = notifier.watchdog
     if notifier.watchdog_interval is not None:
         async_engine.idle_timeout = notifier.watchdog_interval
@@ -116,7 +119,7 @@ async def serve(config: ServeConfig) -> int:
     for site in sites:
         await site.start()
     where = ", ".join(_describe(site) for site in sites)
-    log.info("serving %s on %s", name, where)
+    log.info("serving %s on %s (batch-queue overlap %s)", name, where, "on" if overlap else "off")
     notifier.ready(f"serving {name} on {where}")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -53,6 +53,7 @@ def make_request(
     arrival: float | None = None,
     slo: SLO | None = None,
     cache_salt: str | None = None,
+    request_id: str | None = None,
     **params: object,
 ) -> Request:
     n = next(_ids)
@@ -60,7 +61,7 @@ def make_request(
         prompt = [1000 + n * 997 % 5000 + i for i in range(prompt)]
     params.setdefault("ignore_eos", True)
     return Request(
-        request_id=f"req-{n}",
+        request_id=request_id or f"req-{n}",
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
         arrival_time=float(n) if arrival is None else arrival,

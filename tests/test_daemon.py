@@ -106,6 +106,15 @@ def test_n_seed_stop_and_logprobs(daemon, model):
     content = lp.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.logprob <= 0 and t.token == t.top_logprobs[0].token for t in content)
+    legacy = (
+        c.completions.create(
+            model=model, prompt="1, 2, 3,", max_tokens=3, temperature=0, logprobs=2
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert len(legacy.tokens) == 3 and all(len(top) == 2 for top in legacy.top_logprobs)
+    assert "".join(legacy.tokens) and legacy.text_offset[0] == 0
 
 
 def test_unix_socket_with_aiohttp_openai_and_curl(daemon, model):

@@ -90,9 +90,12 @@ def test_random_workloads_keep_invariants(
         if op[0] == "add":
             _, prompt_len, max_tokens, priority, shared, count, ttft_ms = op
             for _ in range(count):
-                prompt = [5] * prompt_len if shared else prompt_len
+                # Ids and prompts from local state only, so every replay draws the same data.
+                k = len(added) + 1000
+                prompt = [5] * prompt_len if shared else [k * 31 + j for j in range(prompt_len)]
                 req = make_request(
                     prompt,
+                    request_id=f"r{k}",
                     max_tokens=max_tokens,
                     priority=priority,
                     slo=SLO(ttft_ms=ttft_ms, tpot_ms=50.0) if ttft_ms else None,
