@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -255,11 +255,21 @@ class APIServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        try:
+            async for payload in self._events(req, choices, firsts, chat):
+                await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the caller's `finally` aborts what still runs
+        return resp
+
+    async def _events(
+        self, req: GenerationRequest, choices: list[Choice], firsts: list[Delta], chat: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The SSE payloads of one streamed request, in order."""
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         kind = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(payload: dict[str, Any]) -> None:
-            await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
         def chunk(items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {
@@ -272,18 +282,12 @@ class APIServer:
             }
 
         if chat:
-            await send(
-                chunk(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for c in choices
-                    ]
-                )
+            role = {"role": "assistant", "content": ""}
+            yield chunk(
+                [
+                    {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
+                    for c in choices
+                ]
             )
         async for choice, delta in merged(choices, firsts):
             if delta is not firsts[choices.index(choice)]:
@@ -303,12 +307,9 @@ class APIServer:
                 item["delta"] = {"content": delta.text} if delta.text else {}
             else:
                 item["text"] = delta.text
-            await send(chunk([item]))
+            yield chunk([item])
         if req.include_usage:
-            await send(chunk([], usage=self._usage(choices)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            yield chunk([], usage=self._usage(choices))
 
     def _observe(self, c: Choice) -> None:
         m = self.metrics
