@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -93,5 +95,29 @@ async def test_bad_request_raises_before_streaming_and_loop_survives(tiny_llama)
                 pass
         ok = await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(ok) == 2
+    finally:
+        await engine.stop()
+
+
+async def test_loop_pings_while_idle_and_stops_while_a_step_hangs(tiny_llama):
+    engine = AsyncEngine(engine_for(tiny_llama))
+    pings: list[float] = []
+    engine.on_iteration = lambda: pings.append(time.monotonic())
+    engine.idle_timeout = 0.02
+    real_execute = engine.engine.execute
+
+    def hanging_execute(so):
+        if not so.is_empty:
+            time.sleep(0.6)  # a forward pass that hangs (here: only for a while)
+        return real_execute(so)
+
+    engine.engine.execute = hanging_execute
+    try:
+        engine.start()
+        await asyncio.sleep(0.2)
+        assert len(pings) >= 5  # idle, yet the watchdog hook keeps being called
+        await collect(engine, [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert max(gaps) >= 0.5  # no ping while the step hung: systemd would notice
     finally:
         await engine.stop()
