@@ -134,6 +134,11 @@ class APIServer:
                 return await self._stream(request, req, choices, firsts, chat)
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
+            failed = [c for c in choices if c.finish_reason == "error"]
+            if failed:
+                raise APIError(
+                    500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
+                )
             return json_response(self._full_body(req, choices, chat))
         finally:
             for choice in choices:

@@ -147,9 +147,11 @@ class AsyncEngine:
                     if len(in_flight) < self.depth:
                         continue  # queue the next step before waiting on this one
                 else:
-                    # Nothing runnable (all waiting on grammars or deferred): apply rejections,
-                    # let the runner drop finished state, and wait for news.
-                    self._dispatch(self.engine.process(so, self.engine.execute(so)))
+                    # Nothing runnable (all waiting or deferred): send out rejections now; the
+                    # runner drops finished state on its own thread, after any step in flight.
+                    self._dispatch(self.engine.process(so, RunnerOutput()))
+                    if so.finished_req_ids or so.preempted_req_ids:
+                        self._executor.submit(self.engine.execute, so)
             if in_flight:
                 so, future = in_flight.popleft()
                 try:
@@ -162,7 +164,11 @@ class AsyncEngine:
                 continue
             self._wake.clear()
             if not self.engine.has_unfinished_requests():
-                self.engine.release_finished()
+                # Idle: the ids that finished in the last step would otherwise wait for the
+                # next one. Scheduler state stays on this thread, runner state on its own.
+                so = self.engine.scheduler.schedule()
+                if so.finished_req_ids or so.preempted_req_ids:
+                    await loop.run_in_executor(self._executor, self.engine.execute, so)
             if self.engine.has_unfinished_requests():
                 # Requests exist but none can run now: poll gently instead of spinning.
                 with contextlib.suppress(TimeoutError):

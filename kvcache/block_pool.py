@@ -95,6 +95,13 @@ class BlockPool:
             block.block_hash = hashes[i]
             self.cached[hashes[i]] = block
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of `blocks`: their contents are no longer trusted."""
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
         if self.num_free_blocks != self.num_blocks:
@@ -106,8 +113,7 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+            self.uncache([block])
             self.num_evictions += 1
 
     def check_integrity(self) -> None:

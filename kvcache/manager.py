@@ -158,10 +158,16 @@ class KVCacheManager:
         self.pool.cache_blocks(blocks, req.block_hashes[:num_full], start)
         self._num_cached_blocks[req.request_id] = num_full
 
-    def free(self, req: KVRequest) -> None:
-        """Give back every block of `req` (safe to call when it holds none)."""
+    def free(self, req: KVRequest, trusted: bool = True) -> None:
+        """Give back every block of `req` (safe to call when it holds none).
+
+        `trusted=False` (the step that wrote them failed) also drops their prefix-cache
+        entries, so no later request reads half-written KV as a hit.
+        """
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
+        if not trusted:
+            self.pool.uncache(blocks)
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

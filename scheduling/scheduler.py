@@ -283,7 +283,7 @@ class Scheduler:
         req.finish_time = self.clock()
         if reason is not None:
             req.stop_reason = reason
-        self.kv.free(req)
+        self.kv.free(req, trusted=status != RequestStatus.FINISHED_ERROR)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
 

@@ -121,3 +121,28 @@ async def test_loop_pings_while_idle_and_stops_while_a_step_hangs(tiny_llama):
         assert max(gaps) >= 0.5  # no ping while the step hung: systemd would notice
     finally:
         await engine.stop()
+
+
+async def test_a_failing_step_ends_its_requests_and_the_loop_goes_on(tiny_llama):
+    engine = AsyncEngine(engine_for(tiny_llama))
+    real_execute = engine.engine.execute
+    calls = {"n": 0}
+
+    def flaky_execute(so):
+        if not so.is_empty:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("simulated kernel failure")
+        return real_execute(so)
+
+    engine.engine.execute = flaky_execute
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        deltas = [d async for d in engine.generate([5, 6, 7], params)]
+        assert deltas[-1].finish_reason == "error"
+        assert "simulated kernel failure" in str(deltas[-1].stop_reason)
+        assert len(await collect(engine, [5, 6, 7], params)) == 3
+        kv = engine.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        await engine.stop()

@@ -102,3 +102,19 @@ def test_prefix_caching_off_never_hits():
         sched.add_request(req)
         list(run_to_completion(sched))
         assert req.num_cached_tokens == 0
+
+
+def test_a_failed_step_leaves_no_cache_hits_behind():
+    from scheduling import RequestStatus
+
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    a = make_request([*PREFIX, 1], max_tokens=3)
+    sched.add_request(a)
+    sched.schedule()  # its blocks are registered now, but the step "fails"
+    sched.finish_requests([a.request_id], RequestStatus.FINISHED_ERROR)
+    sched.check_integrity()
+    b = make_request([*PREFIX, 1], max_tokens=1)
+    sched.add_request(b)
+    step(sched)
+    assert b.num_cached_tokens == 0
+    list(run_to_completion(sched))
