@@ -36,6 +36,7 @@ from scheduling import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    StepStats,
 )
 
 log = logging.getLogger("headrace.engine")
@@ -208,10 +209,15 @@ class Engine:
         return self.process(so, self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(so)
+        start = time.perf_counter()
+        ro = self.runner.execute(so)
+        ro.duration_s = time.perf_counter() - start
+        return ro
 
     def process(self, so: SchedulerOutput, ro: RunnerOutput) -> list[Delta]:
         """Apply a step's results: advance requests, detokenize, end those that hit a stop."""
+        if not so.is_empty:
+            self.scheduler.observe_step(StepStats(so.shape, ro.duration_s))
         deltas = []
         for out in self.scheduler.update(so, ro):
             deltas.append(self._delta(out))

@@ -86,6 +86,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> per sampled token, (logprob of the token, {top token id: logprob}).
     logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+    # Wall time of the step on the runner, which policies learn step costs from.
+    duration_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -146,3 +146,12 @@ async def test_a_failing_step_ends_its_requests_and_the_loop_goes_on(tiny_llama)
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         await engine.stop()
+
+
+def test_the_slo_policy_learns_step_costs_from_the_real_engine(tiny_llama):
+    engine = engine_for(tiny_llama, policy="slo")
+    policy = engine.scheduler.policy
+    before = policy.cost.model.base_s
+    engine.generate(prompts(6), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert policy.cost.num_observations >= 6
+    assert policy.cost.model.base_s != before  # fitted to this machine, not the prior
