@@ -16,6 +16,7 @@ from daemon.choices import Choice, LogprobEntry, chat_logprobs, completion_logpr
 from daemon.engine import Delta
 from daemon.metrics import Metrics
 from daemon.openai_protocol import (
+    UNTIL_CONTEXT_ENDS,
     APIError,
     GenerationRequest,
     new_id,
@@ -161,17 +162,11 @@ class APIServer:
         try:
             for p_index, prompt in enumerate(prompts):
                 ids = engine.tokenize(prompt)
-                if len(ids) >= max_len:
-                    raise APIError(
-                        400,
-                        f"prompt: {len(ids)} tokens leave no room to generate; "
-                        f"max_model_len is {max_len}",
-                        "prompt",
-                    )
                 params = req.params
                 room = max_len - len(ids)
-                if params.max_tokens > room:
-                    if params.max_tokens != 1 << 30:
+                # (A prompt with no room at all is refused by the scheduler, naming the limit.)
+                if params.max_tokens > room > 0:
+                    if params.max_tokens != UNTIL_CONTEXT_ENDS:
                         raise APIError(
                             400,
                             f"max_tokens: {len(ids)} prompt tokens + "

@@ -10,6 +10,9 @@ from typing import Any
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
 MAX_N = 16
+# max_tokens when a chat request gives none: generate until the context is full (the server
+# lowers it to the room the prompt leaves).
+UNTIL_CONTEXT_ENDS = 1 << 30
 
 
 class APIError(Exception):
@@ -129,7 +132,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     seed = _get(body, "seed", int)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else 1 << 30,
+            max_tokens=max_tokens if max_tokens is not None else UNTIL_CONTEXT_ENDS,
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
             top_p=float(_get(body, "top_p", (int, float), 1.0)),
             top_k=_get(body, "top_k", int, 0),
