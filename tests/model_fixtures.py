@@ -38,8 +38,11 @@ def engine_for(loaded: LoadedModel, **cfg: object) -> Engine:
     return Engine(EngineConfig(**cfg), loaded)  # type: ignore[arg-type]
 
 
-def make_tiny_hf_model(kind: str, directory: Path) -> torch.nn.Module:
-    """A random tiny model of the given family, saved as config.json + safetensors."""
+def make_tiny_hf_model(kind: str, directory: Path | None = None) -> torch.nn.Module:
+    """A random tiny model of the given family, saved as config.json + safetensors.
+
+    Kinds: llama (with llama3 RoPE scaling), llama-plain, qwen2, qwen3.
+    """
     import transformers as tf
 
     torch.manual_seed(0)
@@ -67,6 +70,8 @@ def make_tiny_hf_model(kind: str, directory: Path) -> torch.nn.Module:
             },
         )
         model = tf.LlamaForCausalLM(cfg)
+    elif kind == "llama-plain":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     elif kind == "qwen3":
@@ -74,5 +79,6 @@ def make_tiny_hf_model(kind: str, directory: Path) -> torch.nn.Module:
     else:
         raise ValueError(kind)
     model = model.float().eval()
-    model.save_pretrained(directory)
+    if directory is not None:
+        model.save_pretrained(directory)
     return model

@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_fixtures import make_tiny_hf_model
 
 from runner.attention import build_metadata
 from runner.loader import load_model
@@ -72,17 +73,7 @@ def write_gguf(path, hf, arch="llama", qtype=gguf.GGMLQuantizationType.F32):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gguf")
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-        tie_word_embeddings=False, rope_theta=10000.0,
-    )  # fmt: skip
-    hf = tf.LlamaForCausalLM(cfg).float().eval()
-    return d, hf
+    return tmp_path_factory.mktemp("gguf"), make_tiny_hf_model("llama-plain")
 
 
 def our_logits(model, ids):
