@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -12,19 +12,18 @@ import orjson
 from aiohttp import web
 
 from daemon.async_engine import AsyncEngine
-from daemon.choices import Choice, LogprobEntry, chat_logprobs, completion_logprobs, merged
+from daemon.choices import Choice, merged
 from daemon.engine import Delta
 from daemon.metrics import Metrics
 from daemon.openai_protocol import (
     UNTIL_CONTEXT_ENDS,
     APIError,
     GenerationRequest,
-    new_id,
     now,
     parse_messages,
     parse_request,
-    usage,
 )
+from daemon.responses import ResponseBuilder
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.api")
@@ -59,6 +58,7 @@ class APIServer:
         self.metrics = metrics
         self.draining = False
         self.created = now()
+        self.responses = ResponseBuilder(model_name, engine.engine.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors], client_max_size=16 << 20)
@@ -140,7 +140,7 @@ class APIServer:
                 raise APIError(
                     500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
                 )
-            return json_response(self._full_body(req, choices, chat))
+            return json_response(self.responses.full_body(req, choices, chat))
         finally:
             for choice in choices:
                 choice.stream.close()
@@ -201,48 +201,6 @@ class APIServer:
 
     # -- responses -----------------------------------------------------------------------
 
-    def _decode(self, token_id: int) -> str:
-        tokenizer = self.engine.engine.tokenizer
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-    def _logprobs(self, entries: list[LogprobEntry], chat: bool) -> dict[str, Any]:
-        if chat:
-            return chat_logprobs(entries, self._decode)
-        return completion_logprobs(entries, self._decode)
-
-    def _full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
-        out = []
-        for c in sorted(choices, key=lambda c: c.index):
-            logprobs = self._logprobs(c.logprobs, chat) if req.logprobs is not None else None
-            item: dict[str, Any] = {
-                "index": c.index,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-            }
-            if chat:
-                item["message"] = {"role": "assistant", "content": c.text}
-            else:
-                item["text"] = c.text
-            out.append(item)
-        return {
-            "id": new_id("chatcmpl" if chat else "cmpl"),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": self.model_name,
-            "choices": out,
-            "usage": self._usage(choices),
-        }
-
-    @staticmethod
-    def _usage(choices: list[Choice]) -> dict[str, Any]:
-        # A prompt counts once however many choices (n) it has.
-        prompts = {c.prompt_index: c for c in choices}.values()
-        return usage(
-            sum(c.prompt_tokens for c in prompts),
-            sum(c.completion_tokens for c in choices),
-            sum(c.cached_tokens for c in prompts),
-        )
-
     async def _stream(
         self,
         request: web.Request,
@@ -256,60 +214,13 @@ class APIServer:
         )
         await resp.prepare(request)
         try:
-            async for payload in self._events(req, choices, firsts, chat):
+            async for payload in self.responses.events(req, choices, firsts, chat):
                 await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client left; the caller's `finally` aborts what still runs
         return resp
-
-    async def _events(
-        self, req: GenerationRequest, choices: list[Choice], firsts: list[Delta], chat: bool
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The SSE payloads of one streamed request, in order."""
-        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "choices": items,
-                **extra,
-            }
-
-        if chat:
-            role = {"role": "assistant", "content": ""}
-            yield chunk(
-                [
-                    {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
-                    for c in choices
-                ]
-            )
-        async for choice, delta in merged(choices, firsts):
-            if delta is not firsts[choices.index(choice)]:
-                choice.add(delta)
-            if not delta.text and not delta.finished and not delta.logprobs:
-                continue
-            logprobs = None
-            if req.logprobs is not None and delta.logprobs:
-                entries = [(t, lp[0], lp[1]) for t, lp in zip(delta.token_ids, delta.logprobs)]
-                logprobs = self._logprobs(entries, chat)
-            item: dict[str, Any] = {
-                "index": choice.index,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
-            if chat:
-                item["delta"] = {"content": delta.text} if delta.text else {}
-            else:
-                item["text"] = delta.text
-            yield chunk([item])
-        if req.include_usage:
-            yield chunk([], usage=self._usage(choices))
 
     def _observe(self, c: Choice) -> None:
         m = self.metrics

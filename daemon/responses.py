@@ -1,0 +1,108 @@
+"""Response bodies and SSE payloads in the OpenAI shapes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from daemon.choices import Choice, LogprobEntry, chat_logprobs, completion_logprobs, merged
+from daemon.engine import Delta
+from daemon.openai_protocol import GenerationRequest, new_id, now
+from daemon.openai_protocol import usage as openai_usage
+
+
+class ResponseBuilder:
+    """Turns finished choices or a stream of deltas into OpenAI-shaped JSON."""
+
+    def __init__(self, model_name: str, tokenizer: Any) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+
+    def decode(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([token_id]) if tok is not None else str(token_id)
+
+    def logprobs(self, entries: list[LogprobEntry], chat: bool) -> dict[str, Any]:
+        if chat:
+            return chat_logprobs(entries, self.decode)
+        return completion_logprobs(entries, self.decode)
+
+    def full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            logprobs = self.logprobs(c.logprobs, chat) if req.logprobs is not None else None
+            item: dict[str, Any] = {
+                "index": c.index,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
+            if chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            out.append(item)
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self.usage(choices),
+        }
+
+    @staticmethod
+    def usage(choices: list[Choice]) -> dict[str, Any]:
+        # A prompt counts once however many choices (n) it has.
+        prompts = {c.prompt_index: c for c in choices}.values()
+        return openai_usage(
+            sum(c.prompt_tokens for c in prompts),
+            sum(c.completion_tokens for c in choices),
+            sum(c.cached_tokens for c in prompts),
+        )
+
+    async def events(
+        self, req: GenerationRequest, choices: list[Choice], firsts: list[Delta], chat: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The SSE payloads of one streamed request, in order."""
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": items,
+                **extra,
+            }
+
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            yield chunk(
+                [
+                    {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}
+                    for c in choices
+                ]
+            )
+        async for choice, delta in merged(choices, firsts):
+            if delta is not firsts[choices.index(choice)]:
+                choice.add(delta)
+            if not delta.text and not delta.finished and not delta.logprobs:
+                continue
+            logprobs = None
+            if req.logprobs is not None and delta.logprobs:
+                entries = [(t, lp[0], lp[1]) for t, lp in zip(delta.token_ids, delta.logprobs)]
+                logprobs = self.logprobs(entries, chat)
+            item: dict[str, Any] = {
+                "index": choice.index,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+            if chat:
+                item["delta"] = {"content": delta.text} if delta.text else {}
+            else:
+                item["text"] = delta.text
+            yield chunk([item])
+        if req.include_usage:
+            yield chunk([], usage=self.usage(choices))
