@@ -37,7 +37,7 @@ class AttentionGroup:
     # [B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere.
     mask: torch.Tensor
     # The mask repeated for the g query heads of a KV head, made once per step.
-    _group_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _group_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def group_mask(self, group: int) -> torch.Tensor:
         """[B, 1, g * Q, K], matching queries folded as (head in group, position)."""
