@@ -72,6 +72,7 @@ class AsyncEngine:
         # When set, an idle loop still wakes this often (so the watchdog keeps pinging).
         self.idle_timeout: float | None = None
         self.num_steps = 0
+        self._checked_at_step = 0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -169,6 +170,9 @@ class AsyncEngine:
                 so = self.engine.scheduler.schedule()
                 if so.finished_req_ids or so.preempted_req_ids:
                     await loop.run_in_executor(self._executor, self.engine.execute, so)
+                if self.num_steps != self._checked_at_step:
+                    self._checked_at_step = self.num_steps
+                    self.engine.check_idle()
             if self.engine.has_unfinished_requests():
                 # Requests exist but none can run now: poll gently instead of spinning.
                 with contextlib.suppress(TimeoutError):

@@ -233,6 +233,22 @@ class Engine:
         assert so.is_empty, "release_finished called with runnable requests"
         self.runner.execute(so)
 
+    def check_idle(self) -> bool:
+        """With no request left, every block must be free and the pool consistent.
+
+        Cheap (one pass over the blocks); the loop calls it each time it goes idle, so a leak
+        shows up in the log at once instead of as a slowly shrinking cache.
+        """
+        try:
+            self.kv.check_integrity()
+            assert self.kv.num_free_blocks == self.kv.num_blocks, (
+                f"{self.kv.num_blocks - self.kv.num_free_blocks} KV blocks held while idle"
+            )
+        except AssertionError as e:
+            log.error("KV cache check failed while idle: %s", e)
+            return False
+        return True
+
     def fail_step(self, so: SchedulerOutput, error: BaseException) -> list[Delta]:
         """A step raised: its requests end with finish_reason "error"; the engine goes on."""
         log.exception("step failed; ending its %d requests", len(so.num_scheduled_tokens))

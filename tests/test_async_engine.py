@@ -155,3 +155,12 @@ def test_the_slo_policy_learns_step_costs_from_the_real_engine(tiny_llama):
     engine.generate(prompts(6), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert policy.cost.num_observations >= 6
     assert policy.cost.model.base_s != before  # fitted to this machine, not the prior
+
+
+def test_idle_check_reports_a_leaked_block(tiny_llama, caplog):
+    engine = engine_for(tiny_llama, block_size=4)
+    engine.generate(prompts(2), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.check_idle()
+    engine.kv.pool.get_new_blocks(1)  # a block nobody will ever give back
+    assert not engine.check_idle()
+    assert "KV cache check failed while idle" in caplog.text
