@@ -29,7 +29,8 @@ serve: setup
 	$(VENV)/bin/headrace serve
 
 simulate: setup
-	$(VENV)/bin/headrace simulate --policy slo --trace benchmarks/traces/slo_mixed.jsonl
+	$(VENV)/bin/headrace simulate --policy slo --trace benchmarks/traces/slo_mixed.jsonl \
+		--max-num-seqs 32 --num-blocks 4096
 
 clean:
 	rm -rf $(VENV)
