@@ -234,6 +234,17 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(daemon):
     assert daemon.metric('headrace_requests_finished_total{finish_reason="abort"}') >= 1
 
 
+def test_non_streaming_client_that_gives_up_frees_blocks(daemon):
+    body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{daemon.url}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and daemon.metric("headrace_requests_running"):
+        time.sleep(0.1)
+    assert daemon.metric("headrace_requests_running") == 0
+    assert daemon.metric("headrace_kv_cache_usage") == 0.0
+
+
 @pytest.mark.parametrize(
     "body,status,field",
     [
