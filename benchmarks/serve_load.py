@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import orjson
 
+from scheduling.simulator import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,13 +34,6 @@ class Sample:
     e2e: float
     tokens: int
     gaps: list[float] = field(default_factory=list)
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(-(-len(s) * p // 100)) - 1))]
 
 
 async def one(client: httpx.AsyncClient, i: int, max_tokens: int) -> Sample:
@@ -96,12 +91,12 @@ async def level(base: str, uds: str | None, concurrency: int, requests: int, max
     return {
         "concurrency": concurrency,
         "tok_s": sum(s.tokens for s in samples) / wall,
-        "ttft_p50": pct([s.ttft for s in samples], 50) * 1000,
-        "ttft_p99": pct([s.ttft for s in samples], 99) * 1000,
-        "itl_p50": pct(gaps, 50) * 1000,
-        "itl_p99": pct(gaps, 99) * 1000,
-        "e2e_p50": pct([s.e2e for s in samples], 50) * 1000,
-        "e2e_p99": pct([s.e2e for s in samples], 99) * 1000,
+        "ttft_p50": percentile([s.ttft for s in samples], 50) * 1000,
+        "ttft_p99": percentile([s.ttft for s in samples], 99) * 1000,
+        "itl_p50": percentile(gaps, 50) * 1000,
+        "itl_p99": percentile(gaps, 99) * 1000,
+        "e2e_p50": percentile([s.e2e for s in samples], 50) * 1000,
+        "e2e_p99": percentile([s.e2e for s in samples], 99) * 1000,
     }
 
 

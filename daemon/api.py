@@ -177,7 +177,11 @@ class APIServer:
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None and i else params.seed
                     stream = self.engine.add_request(
-                        ids, replace(params, seed=seed), None, req.priority, req.slo, req.cache_salt
+                        ids,
+                        replace(params, seed=seed),
+                        priority=req.priority,
+                        slo=req.slo,
+                        cache_salt=req.cache_salt,
                     )
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
         except QueueFullError as e:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from daemon.engine import Delta, Engine
-from scheduling import SLO, RunnerOutput, SamplingParams, SchedulerOutput
+from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("headrace.engine")
 
@@ -98,20 +98,15 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------
 
     def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        slo: SLO | None = None,
-        cache_salt: str | None = None,
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **options: Any
     ) -> RequestStream:
         """Queue a request now; iterate the returned stream for its deltas.
 
-        Raises ValueError (bad input) or QueueFullError (come back later) right here.
+        `options` are Engine.add_request's (request_id, priority, slo, cache_salt). Raises
+        ValueError (bad input) or QueueFullError (come back later) right here.
         """
         self.start()
-        rid = self.engine.add_request(prompt, params, request_id, priority, slo, cache_salt)
+        rid = self.engine.add_request(prompt, params, **options)
         stream = RequestStream(self, rid)
         self._streams[rid] = stream.queue
         self._wake.set()
@@ -144,7 +139,9 @@ class AsyncEngine:
             if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
                 so = self.engine.scheduler.schedule()
                 if not so.is_empty:
-                    in_flight.append((so, loop.run_in_executor(self._executor, self._execute, so)))
+                    in_flight.append(
+                        (so, loop.run_in_executor(self._executor, self.engine.execute, so))
+                    )
                     if len(in_flight) < self.depth:
                         continue  # queue the next step before waiting on this one
                 else:
@@ -180,9 +177,6 @@ class AsyncEngine:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
-
-    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self.engine.execute(so)
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:

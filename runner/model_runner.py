@@ -54,7 +54,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded generators outlive preemption, so a resumed request continues its sequence.
         self.generators: dict[str, torch.Generator] = {}
-        self.stop_ids = set(cfg.eos_token_ids)
+        # Ids held back while a request is short of min_tokens (unless it ignores EOS).
+        self.eos_ids = sorted(set(cfg.eos_token_ids))
 
     def _apply_deltas(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -126,7 +127,7 @@ class ModelRunner:
         params, ids, prompts, gens, blocked = [], [], [], [], []
         for rid, _, rows in samplers:
             req = self.requests[rid]
-            stop = [] if req.params.ignore_eos else sorted(self.stop_ids)
+            stop = [] if req.params.ignore_eos else self.eos_ids
             for _ in rows:
                 params.append(req.params)
                 ids.append(req.token_ids)
