@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from daemon.serve_config import add_serve_arguments, build_serve_config
+from runner.threads import set_openmp_defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--threads", type=int, help="torch intra-op threads (default: cores - 1)")
+    gen.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores)")
+    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--quantization", default="auto", help="none, int8 or auto")
     gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as is, without the chat template"
     )
@@ -76,7 +79,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from daemon.engine_config import EngineConfig
     from scheduling import SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, threads=args.threads))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            threads=args.threads,
+            dtype=args.dtype,
+            quantization=args.quantization,
+        )
+    )
     prompt = args.prompt
     template = getattr(engine.tokenizer, "chat_template", None)
     if not args.raw and template:
@@ -132,6 +142,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openmp_defaults()  # before anything imports torch (libgomp reads it once)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "simulate":

@@ -20,11 +20,12 @@ from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
-from runner.loader import load_model
+from runner.loader import load_model, open_checkpoint
 from runner.model_config import ModelConfig
 from runner.model_runner import ModelRunner, kv_bytes_per_block
 from runner.model_source import resolve_model
 from runner.models.decoder import DecoderForCausalLM
+from runner.platform import Platform, select_platform
 from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
@@ -83,17 +84,29 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+    platform: Platform | None = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
         device = _pick_device(config.device)
-        dtype = _pick_dtype(config.dtype, device)
         source = resolve_model(config.model)
+        checkpoint = open_checkpoint(source)
+        shape = checkpoint.config()
+        platform = select_platform(
+            device,
+            config.dtype,
+            config.quantization,
+            checkpoint_quantized=checkpoint.is_quantized(),
+            # The model's own MLP shape decides whether int8 pays off here.
+            bench_shape=(2 * shape.intermediate_size, shape.hidden_size),
+        )
+        log.info("%s", platform.describe())
         t0 = time.perf_counter()
-        model, model_config = load_model(source, device, dtype, lookup=load_model_class)
+        model, model_config = load_model(source, device, platform.dtype, lookup=load_model_class)
+        platform.prepare(model)
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
-        return cls(model, model_config, tokenizer, source.name, device, dtype)
+        return cls(model, model_config, tokenizer, source.name, device, platform.dtype, platform)
 
 
 class Engine:
@@ -317,12 +330,3 @@ def _pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype: {name!r} is not one of {', '.join(dtypes)}")
-    return dtypes[name]

@@ -5,8 +5,9 @@ Each field's `help` is what `headrace serve --help` prints: one source of truth.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from runner import threads as runner_threads
 
 
 def opt(default: object, help: str) -> object:
@@ -23,8 +24,14 @@ class EngineConfig:
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (CUDA when available)")
     dtype: str = opt(
         "auto",
-        "float32, bfloat16, float16, or auto (float32 on CPU, where bf16 matmuls are slow "
-        "without AVX-512/AMX; bfloat16 on CUDA)",
+        "float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs with native bf16 "
+        "matmuls, AMX or AVX512-BF16; float32 elsewhere, where bf16 is emulated and slow)",
+    )
+    quantization: str = opt(
+        "auto",
+        "linear weights: none, int8 (per-channel int8 weights, per-token int8 activations), "
+        "or auto (int8 on CPU when the checkpoint is already quantised, e.g. a Q4 GGUF, and "
+        "int8 beats the float path in a start-up micro-benchmark; none on CUDA)",
     )
     block_size: int = opt(16, "tokens per KV cache block")
     kv_cache_memory: int | None = opt(
@@ -49,10 +56,11 @@ class EngineConfig:
     policy: str = opt("fcfs", "scheduling policy (entry point in headrace.policies)")
     threads: int | None = opt(
         None,
-        "torch intra-op threads (default: all cores but one, so the event loop and tokenizer "
-        "keep a core and never stall a libgomp team, which spins when a core is taken)",
+        "torch intra-op threads (default: every core this process may use; idle OpenMP "
+        "workers sleep (OMP_WAIT_POLICY=PASSIVE), so the event loop sharing a core does not "
+        "stall the team)",
     )
 
 
 def default_threads() -> int:
-    return max(1, (os.cpu_count() or 1) - 1)
+    return runner_threads.default_threads()

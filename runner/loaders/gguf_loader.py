@@ -22,6 +22,7 @@ ARCHITECTURES = {
 SUPPORTED_TYPES = {
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 }  # fmt: skip
+QUANTIZED_TYPES = SUPPORTED_TYPES - {Q.F32, Q.F16, Q.BF16}
 # llama.cpp converts these with Q/K rows permuted for its interleaved RoPE.
 PERMUTED_QK = {"llama", "mistral"}
 
@@ -64,6 +65,10 @@ class GGUFModel:
                     f"{t.tensor_type.name} (supported: "
                     f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
+
+    def is_quantized(self) -> bool:
+        """Whether any matrix is stored in a quantised type (Q4_1, Q8_0, ...)."""
+        return any(t.tensor_type in QUANTIZED_TYPES for t in self.reader.tensors)
 
     def _field(self, key: str, default: object = None) -> object:
         field = self.reader.fields.get(key)

@@ -21,6 +21,10 @@ class HFDirectory:
     def config(self) -> ModelConfig:
         return ModelConfig.from_hf(orjson.loads((self.path / "config.json").read_bytes()))
 
+    def is_quantized(self) -> bool:
+        """Safetensors are loaded as float tensors; no quantised HF format is read yet."""
+        return False
+
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

@@ -1,0 +1,1 @@
+"""Layers whose kernels depend on the platform (weight formats)."""

@@ -1,0 +1,219 @@
+"""The platform: hardware choices made once at start-up, logged, and kept out of model code.
+
+```
+CpuPlatform   flags (AVX2 / AVX-512 / AVX512-BF16 / AMX / VNNI) -> dtype, weight format, threads
+CudaPlatform  bf16, float weights (int8 waits for its own CUDA kernels)
+```
+
+Rules (the CPU's flags decide, plus a start-up micro-benchmark for int8; never one
+machine's figures):
+- dtype auto: bfloat16 where the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16, and
+  torch's oneDNN agrees); float32 elsewhere (on AVX2-only CPUs bf16 matmuls are emulated and
+  ran ~100x slower than fp32).
+- quantization auto: int8 on CPU when the checkpoint is already quantised (a Q4/Q8 GGUF, so
+  int8 loses little more) and int8 beats the float path in a micro-benchmark on the model's
+  own MLP shape; none on CUDA.
+- bf16 linears go through oneDNN with the weight reordered once when available, else F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.layers.linear import (
+    Linear,
+    default_int8_kernel,
+    onednn_bf16_available,
+    pack_linears,
+)
+
+log = logging.getLogger("headrace.platform")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8", "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """The ISA extensions that change which kernels are fast."""
+
+    avx2: bool = False
+    avx512: bool = False
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+    vnni: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: set[str]) -> CpuFeatures:
+        return cls(
+            avx2="avx2" in flags,
+            avx512="avx512f" in flags,
+            avx512_bf16="avx512_bf16" in flags,
+            amx_bf16="amx_bf16" in flags,
+            vnni="avx512_vnni" in flags or "avx_vnni" in flags,
+        )
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        return cls.from_flags(read_cpu_flags())
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.amx_bf16 or self.avx512_bf16
+
+    def names(self) -> str:
+        on = [f for f in ("avx2", "avx512", "avx512_bf16", "amx_bf16", "vnni") if getattr(self, f)]
+        return "+".join(on) or "baseline"
+
+
+def read_cpu_flags() -> set[str]:
+    """The `flags` line of /proc/cpuinfo (Linux); elsewhere what torch's dispatcher reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx2", "avx512", ...
+    return {"avx2"} | ({"avx512f"} if "avx512" in cap else set())
+
+
+@dataclass(slots=True)
+class Platform:
+    """What the engine runs with on this device; chosen once by `select_platform`."""
+
+    device: torch.device
+    dtype: torch.dtype
+    # Linear weight format: "float" (F.linear), "onednn" (prepacked bf16) or "int8".
+    weight_format: str
+    int8_kernel: str | None = None
+    int8_reduce_range: bool = False
+    features: CpuFeatures | None = None
+    # Why each choice was made, for the start-up log.
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return "CudaPlatform" if self.device.type == "cuda" else "CpuPlatform"
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Convert the loaded model's linear layers to the chosen format (once)."""
+        n = pack_linears(model, self.weight_format, self.int8_kernel, self.int8_reduce_range)
+        log.info("%d linear layers in format %s", n, self.weight_format)
+
+    def describe(self) -> str:
+        kernel = f" ({self.int8_kernel})" if self.weight_format == "int8" else ""
+        feats = f" cpu={self.features.names()}" if self.features else ""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.name}: device={self.device} dtype={dtype} "
+            f"weights={self.weight_format}{kernel}{feats}; " + "; ".join(self.reasons)
+        )
+
+
+def select_platform(
+    device: torch.device,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    checkpoint_quantized: bool = False,
+    features: CpuFeatures | None = None,
+    int8_faster: Callable[[torch.dtype, str], bool] | None = None,
+    bench_shape: tuple[int, int] = (3072, 576),
+) -> Platform:
+    """Choose dtype and weight format for `device`. `features` and `int8_faster` are
+    injectable so tests can force every branch on any machine."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if device.type == "cuda":
+        return _cuda_platform(device, dtype, quantization)
+    feats = features if features is not None else CpuFeatures.detect()
+    reasons = []
+    if dtype == "auto":
+        bf16 = feats.native_bf16 and onednn_bf16_available()
+        chosen = torch.bfloat16 if bf16 else torch.float32
+        reasons.append(
+            "dtype auto -> bfloat16 (native bf16 matmul)"
+            if bf16
+            else "dtype auto -> float32 (no native bf16 matmul on this CPU)"
+        )
+    else:
+        chosen = DTYPES[dtype]
+    float_format = "onednn" if chosen == torch.bfloat16 and onednn_bf16_available() else "float"
+    kernel = default_int8_kernel()
+    fmt = float_format
+    if quantization == "int8":
+        fmt = "int8"
+    elif quantization == "auto":
+        if not checkpoint_quantized:
+            reasons.append("quantization auto -> none (checkpoint is not quantised)")
+        else:
+            if int8_faster is None:
+                faster = int8_beats_float(chosen, float_format, bench_shape)
+            else:
+                faster = int8_faster(chosen, float_format)
+            fmt = "int8" if faster else float_format
+            reasons.append(
+                f"quantization auto -> {'int8' if faster else 'none'} "
+                f"(quantised checkpoint; int8 {'faster' if faster else 'slower'} than "
+                f"{float_format} in the start-up micro-benchmark)"
+            )
+    return Platform(
+        device,
+        chosen,
+        fmt,
+        int8_kernel=kernel if fmt == "int8" else None,
+        int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
+        features=feats,
+        reasons=reasons,
+    )
+
+
+def _cuda_platform(device: torch.device, dtype: str, quantization: str) -> Platform:
+    if quantization == "int8":
+        raise ValueError("quantization: int8 has no CUDA kernels yet; use none or auto")
+    chosen = torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
+    return Platform(device, chosen, "float", reasons=["CUDA: float weights"])
+
+
+def int8_beats_float(
+    dtype: torch.dtype,
+    float_format: str,
+    shape: tuple[int, int] = (3072, 576),
+    reps: int = 20,
+) -> bool:
+    """Micro-benchmark at start-up (~0.1 s): int8 vs the float linear at 1 and 16 rows."""
+    torch.manual_seed(0)
+    out_f, in_f = shape
+    ref = Linear(in_f, out_f, bias=False)
+    ref.weight.data = (torch.randn(out_f, in_f) * 0.05).to(dtype)
+    fast = Linear(in_f, out_f, bias=False)
+    fast.weight.data = ref.weight.data.clone()
+    fast.pack("int8")
+    ref.pack(float_format)
+    inputs = [torch.randn(rows, in_f, dtype=dtype) for rows in (1, 16)]
+    # Interleaved rounds, best of each: a busy neighbour only ever adds time, so the
+    # minimum is the figure least disturbed by the machine's other work.
+    times = {"float": float("inf"), "int8": float("inf")}
+    with torch.inference_mode():
+        for _ in range(reps):
+            for name, layer in (("float", ref), ("int8", fast)):
+                t = time.perf_counter()
+                for x in inputs:
+                    layer(x)
+                times[name] = min(times[name], time.perf_counter() - t)
+    log.info(
+        "int8 micro-benchmark %s: int8 %.3f ms, %s %.3f ms",
+        shape,
+        times["int8"] * 1e3,
+        float_format,
+        times["float"] * 1e3,
+    )
+    return times["int8"] < times["float"]
