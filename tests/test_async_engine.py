@@ -22,7 +22,7 @@ from scheduling import SamplingParams
 def tiny_llama(tmp_path_factory) -> LoadedModel:
     directory = tmp_path_factory.mktemp("llama")
     make_tiny_hf_model("llama", directory)
-    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu", dtype="float32"))
 
 
 def prompts(n: int) -> list[list[int]]:

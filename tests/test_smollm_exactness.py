@@ -31,7 +31,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
-    return LoadedModel.load(EngineConfig(device="cpu"))
+    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="module")

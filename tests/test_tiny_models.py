@@ -18,7 +18,7 @@ from scheduling import SamplingParams
 def tiny(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_hf_model(request.param, directory)
-    loaded = LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+    loaded = LoadedModel.load(EngineConfig(model=str(directory), device="cpu", dtype="float32"))
     assert loaded.tokenizer is None  # token ids only
     return request.param, hf, loaded
 
