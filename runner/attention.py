@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,8 @@ class AttentionGroup:
     block_tables: torch.Tensor
     # [B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere.
     mask: torch.Tensor
+    # True when the group is every token of the step, one query each, in flattened order.
+    covers_all: bool = False
     # The mask repeated for the g query heads of a KV head, made once per step.
     _group_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -66,62 +69,68 @@ def build_metadata(
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Metadata for requests laid out back to back in the flattened batch, in this order."""
-    starts, slots = [], []
-    t = 0
-    for done, n, blocks in zip(num_computed, num_new, block_tables):
-        starts.append(t)
-        t += n
-        for p in range(done, done + n):
-            slots.append(blocks[p // block_size] * block_size + p % block_size)
-    decode = [i for i, n in enumerate(num_new) if n == 1]
-    prefill = [i for i, n in enumerate(num_new) if n > 1]
-    groups = [
-        _group(idx, starts, num_computed, num_new, block_tables, block_size, device)
-        for idx in (decode, prefill)
-        if idx
-    ]
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, t)
+    """Metadata for requests laid out back to back in the flattened batch, in this order.
+
+    Vectorised with numpy: one pass per request to copy its block table, none per token.
+    """
+    done = np.asarray(num_computed, dtype=np.int64)  # [B]
+    new = np.asarray(num_new, dtype=np.int64)  # [B]
+    starts = np.cumsum(new) - new  # [B] first flattened token of each request
+    num_tokens = int(new.sum())
+    tables = _pad_tables(block_tables)  # [B, max_blocks]
+    req = np.repeat(np.arange(len(new)), new)  # [T] request of each token
+    pos = np.arange(num_tokens) - starts[req] + done[req]  # [T] position of each token
+    slots = tables[req, pos // block_size] * block_size + pos % block_size
+    groups = []
+    for idx in (np.flatnonzero(new == 1), np.flatnonzero(new > 1)):  # decode, prefill
+        if len(idx):
+            groups.append(_group(idx, starts, done, new, tables, block_size, num_tokens, device))
+    return AttentionMetadata(torch.from_numpy(slots).to(device), groups, num_tokens)
+
+
+def _pad_tables(block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+    width = max((len(b) for b in block_tables), default=0) or 1
+    out = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, blocks in enumerate(block_tables):
+        out[i, : len(blocks)] = blocks
+    return out
 
 
 def _group(
-    idx: list[int],
-    starts: list[int],
-    num_computed: Sequence[int],
-    num_new: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    idx: np.ndarray,
+    starts: np.ndarray,
+    done: np.ndarray,
+    new: np.ndarray,
+    tables: np.ndarray,
     block_size: int,
+    num_tokens: int,
     device: torch.device,
 ) -> AttentionGroup:
-    q_len = max(num_new[i] for i in idx)
-    max_blocks = max(-(-(num_computed[i] + num_new[i]) // block_size) for i in idx)
+    done, new, starts = done[idx], new[idx], starts[idx]  # [B]
+    q_len = int(new.max())
+    max_blocks = int((-(-(done + new) // block_size)).max())
     k_len = max_blocks * block_size
-    q_pos = torch.arange(q_len)
-    k_pos = torch.arange(k_len)
-    token_index, valid, tables, masks = [], [], [], []
-    for i in idx:
-        n, done = num_new[i], num_computed[i]
-        token_index.append([starts[i] + j if j < n else 0 for j in range(q_len)])
-        valid.append(q_pos < n)
-        blocks = list(block_tables[i][:max_blocks])
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
-        # Query j sits at position done + j and sees keys 0..done + j (causal).
-        mask = k_pos[None, :] <= (done + q_pos)[:, None]
-        # Padding rows see key 0 only, so softmax stays finite; their output is dropped.
-        mask[n:] = k_pos[None, :] == 0
-        masks.append(mask)
-    valid_t = torch.stack(valid).reshape(-1)
-    index_t = torch.tensor(token_index, dtype=torch.long)
+    q_pos = np.arange(q_len)  # [Q]
+    k_pos = np.arange(k_len)  # [K]
+    valid = q_pos[None, :] < new[:, None]  # [B, Q]
+    token_index = np.where(valid, starts[:, None] + q_pos[None, :], 0)  # [B, Q]
+    # Query j of a request sits at position done + j and sees keys 0..done + j (causal);
+    # padding rows see key 0 only, so softmax stays finite (their output is dropped).
+    see = k_pos[None, None, :] <= (done[:, None] + q_pos[None, :])[:, :, None]  # [B, Q, K]
+    see = np.where(valid[:, :, None], see, k_pos[None, None, :] == 0)
     # Additive float mask: SDPA's CPU kernel runs faster with it than with a bool mask.
-    bias = torch.zeros(len(idx), 1, q_len, k_len).masked_fill_(
-        ~torch.stack(masks).unsqueeze(1), float("-inf")
-    )
+    bias = np.where(see, np.float32(0), np.float32(-np.inf))[:, None]  # [B, 1, Q, K]
+    index_t = torch.from_numpy(token_index)
+    valid_t = torch.from_numpy(valid.reshape(-1))
+    out_index = index_t.reshape(-1)[valid_t]
     return AttentionGroup(
         token_index=index_t.to(device),
         valid=valid_t.to(device),
-        out_index=index_t.reshape(-1)[valid_t].to(device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        mask=bias.to(device),
+        out_index=out_index.to(device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables[idx, :max_blocks])).to(device),
+        mask=torch.from_numpy(bias).to(device),
+        # A decode-only step covers every token once, in order: no gather or scatter needed.
+        covers_all=q_len == 1 and len(idx) == num_tokens,
     )
 
 
@@ -150,11 +159,14 @@ def paged_attention(
         # One gather for K and V: [2, B * blocks, block, KVH, D] -> [2, B, KVH, K, D]
         kv = kv_cache.index_select(1, g.block_tables.reshape(-1))
         kv = kv.view(2, b, -1, kv_heads, head_dim).transpose(2, 3)
-        qg = q[g.token_index].view(b, q_len, kv_heads, group, head_dim)
+        qg = q if g.covers_all else q[g.token_index]
+        qg = qg.view(b, q_len, kv_heads, group, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, head_dim)
         o = F.scaled_dot_product_attention(
             qg, kv[0], kv[1], attn_mask=g.group_mask(group), scale=scale
         )
         o = o.view(b, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        if g.covers_all:
+            return o.reshape(num_tokens, heads, head_dim)
         out[g.out_index] = o.reshape(b * q_len, heads, head_dim)[g.valid]
     return out

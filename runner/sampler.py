@@ -104,9 +104,44 @@ def _exponential_noise(shape: tuple[int, int], batch: SamplingBatch) -> torch.Te
     return q
 
 
+def needs_processing(batch: SamplingBatch) -> bool:
+    """Whether any row has a logit bias, an active min_tokens, a penalty or a grammar mask.
+
+    Plain requests (the common case) have none, and skip `process_logits`' per-row loop.
+    """
+    if batch.bitmask is not None:
+        return True
+    for p, ids, num_prompt in zip(batch.params, batch.token_ids, batch.num_prompt_tokens):
+        if (
+            p.logit_bias
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or len(ids) - num_prompt < p.min_tokens
+        ):
+            return True
+    return False
+
+
+def sample_plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult | None:
+    """Fast path: every row greedy, no logprobs, nothing to process -> one argmax.
+
+    Returns None when the batch needs the general path.
+    """
+    if any(not p.greedy or p.logprobs is not None for p in batch.params):
+        return None
+    if needs_processing(batch):
+        return None
+    return SampleResult(logits.argmax(-1).tolist(), [None] * logits.shape[0])
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row of fp32 [N, V] logits (modified in place)."""
-    logits = process_logits(logits, batch)
+    fast = sample_plain_greedy(logits, batch)
+    if fast is not None:
+        return fast
+    if needs_processing(batch):
+        logits = process_logits(logits, batch)
     logprob_rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
     logprobs_all = logits[logprob_rows].log_softmax(-1) if logprob_rows else None
     greedy = torch.tensor([p.greedy for p in batch.params])

@@ -1,0 +1,130 @@
+"""Where a decode step goes: forward (linear, attention), metadata, sampling, the rest.
+
+    python benchmarks/step_profile.py [--batch 1 32] [--threads N] [--dtype auto]
+                                      [--quantization auto] [--steps 30]
+
+For each batch size, starts that many requests (64-token prompts), prefills them, then
+times `--steps` decode steps of the real Engine. Each part is timed by wrapping the function
+that does it (wall clock, per step, median over steps); "python/other" is what is left of
+the step: the scheduler, the runner's bookkeeping, detokenisation and glue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+from runner.threads import set_openmp_defaults
+
+set_openmp_defaults()
+
+import torch  # noqa: E402
+from machine import cpu_description  # noqa: E402
+
+import runner.model_runner as model_runner  # noqa: E402
+import runner.models.decoder as decoder  # noqa: E402
+from daemon.engine import Engine, LoadedModel  # noqa: E402
+from daemon.engine_config import EngineConfig  # noqa: E402
+from runner.layers.linear import Linear  # noqa: E402
+from scheduling import SamplingParams  # noqa: E402
+
+TIMES: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(name: str, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def instrumented() -> Iterator[None]:
+    """Wrap the step's parts where they are looked up (module globals, the Linear class)."""
+    patches = [
+        (model_runner, "build_metadata"),
+        (model_runner, "sample"),
+        (decoder, "paged_attention"),
+        (decoder, "write_kv"),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in patches]
+    for mod, name, fn in saved:
+        setattr(mod, name, timed(name, fn))
+    linear_forward = Linear.forward
+    Linear.forward = timed("linear", linear_forward)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+        Linear.forward = linear_forward
+
+
+def profile(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[str, float]:
+    engine = Engine(
+        EngineConfig(threads=args.threads, kv_cache_memory=512 << 20, max_num_seqs=batch),
+        loaded,
+    )
+    params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + 13 * j) % 40_000 + 100 for j in range(64)] for i in range(batch)]
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:  # fmt: skip
+        engine.step()
+    engine.step()
+    per_step: dict[str, list[float]] = collections.defaultdict(list)
+    with instrumented():
+        for _ in range(args.steps):
+            TIMES.clear()
+            t = time.perf_counter()
+            engine.step()
+            TIMES["step"] = time.perf_counter() - t
+            for k, v in TIMES.items():
+                per_step[k].append(v)
+    engine.abort([r.request_id for r in list(engine.scheduler.running)])
+    return {k: statistics.median(v) * 1e3 for k, v in per_step.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    print(cpu_description())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = LoadedModel.load(
+        EngineConfig(device="cpu", dtype=args.dtype, quantization=args.quantization)
+    )
+    assert loaded.platform is not None
+    print(loaded.platform.describe())
+    parts = ["linear", "paged_attention", "write_kv", "build_metadata", "sample"]
+    result = []
+    for batch in args.batch:
+        t = profile(loaded, args, batch)
+        other = t["step"] - sum(t.get(p, 0.0) for p in parts)
+        print(f"batch {batch}: step {t['step']:.2f} ms (median of {args.steps})")
+        for p in parts:
+            print(f"  {p:16s} {t.get(p, 0.0):7.2f} ms  {t.get(p, 0.0) / t['step']:5.1%}")
+        print(f"  {'python/other':16s} {other:7.2f} ms  {other / t['step']:5.1%}")
+        result.append(
+            f"bs{batch}_step_ms={t['step']:.2f} bs{batch}_tok_s={batch / t['step'] * 1e3:.1f}"
+        )
+    print(f"RESULT {' '.join(result)} threads={torch.get_num_threads()} "
+          f"weights={loaded.platform.weight_format} dtype={loaded.dtype}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
