@@ -112,7 +112,7 @@ class Engine:
         )
         self.model_name = loaded.name
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self._num_kv_blocks(max_model_len)
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
         )
@@ -125,7 +125,14 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
         self.runner = ModelRunner(
-            self.model, self.model_config, num_blocks, config.block_size, self.device, self.dtype
+            self.model,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.attention_backend,
+            None if self._eager() else (config.max_num_seqs, max_model_len),
         )
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -141,13 +148,24 @@ class Engine:
             torch.get_num_threads(),
         )
 
-    def _num_kv_blocks(self) -> int:
+    def _eager(self) -> bool:
+        """CUDA graphs need CUDA and the Triton backend; --enforce-eager turns them off."""
+        from runner.triton_ops import triton_available
+
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return True
+        backend = self.config.attention_backend
+        return not (backend == "triton" or (backend == "auto" and triton_available()))
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
+                if not self._eager():
+                    budget -= self._graph_memory(max_model_len)
             else:
                 budget = min(_available_ram() // 4, 1 << 30)
         if budget < per_block:
@@ -155,6 +173,21 @@ class Engine:
                 f"kv_cache_memory: {budget} bytes holds no block ({per_block} bytes per block)"
             )
         return budget // per_block
+
+    def _graph_memory(self, max_model_len: int) -> int:
+        """The decode graphs' pool, measured on a throwaway cache before the real one exists."""
+        from runner.attention_backends import select_attention_backend
+        from runner.cuda_graphs import estimate_graph_memory
+
+        cfg = self.model_config
+        backend = select_attention_backend(
+            self.device, cfg.num_key_value_heads, self.config.attention_backend
+        )
+        self.model.set_attention_backend(backend)
+        shape = (2, 1, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return estimate_graph_memory(
+            self.model, shape, self.dtype, self.config.max_num_seqs, max_model_len, self.device
+        )
 
     # -- requests ------------------------------------------------------------------------
 

@@ -38,12 +38,14 @@ def load_model(
             raise ValueError(f"unsupported model architecture {cfg.architecture!r}")
         cls = lookup(cfg.architecture)
     # Built on the meta device: no time is spent on a random init the weights overwrite.
+    # Parameters are allocated once, on the device and in the target dtype; each checkpoint
+    # tensor is converted as it is copied in, so no fp32 copy of the whole model exists.
     with torch.device("meta"):
-        model = cls(cfg, max_positions)
+        model = cls(cfg, max_positions).to(dtype)
     model = model.to_empty(device=device)
     # to_empty unties shared parameters and leaves computed buffers empty: redo both.
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
     model.load_weights(checkpoint.weights(cfg))
-    return model.to(dtype).eval(), cfg
+    return model.to(dtype).eval(), cfg  # the RoPE tables follow the activations' dtype

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.attention import build_metadata
+from runner.attention_backends import select_attention_backend
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
@@ -44,13 +44,31 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        attention_backend: str = "auto",
+        decode_graphs: tuple[int, int] | None = None,
     ) -> None:
+        """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
+        decode-only steps (CUDA with the Triton backend only; ignored elsewhere)."""
         self.model, self.cfg = model, cfg
         self.block_size, self.device = block_size, device
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
         ]
+        self.attn_backend = select_attention_backend(
+            device, cfg.num_key_value_heads, attention_backend
+        )
+        if hasattr(model, "set_attention_backend"):
+            model.set_attention_backend(self.attn_backend)
+        elif self.attn_backend.name != "torch":
+            raise ValueError(f"{type(model).__name__} cannot take the {self.attn_backend.name} "
+                             "attention backend (it has no set_attention_backend)")  # fmt: skip
+        self.graphs = None
+        if decode_graphs and device.type == "cuda" and self.attn_backend.name == "triton":
+            from runner.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv_caches, *decode_graphs, block_size, device)
+            self.graphs.capture()
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded generators outlive preemption, so a resumed request continues its sequence.
         self.generators: dict[str, torch.Generator] = {}
@@ -100,20 +118,7 @@ class ModelRunner:
             if start + n >= len(req.token_ids):
                 first = offset + len(req.token_ids) - 1 - start
                 samplers.append((rid, drafts, range(first, offset + n)))
-        reqs = [self.requests[rid] for rid in so.num_scheduled_tokens]
-        meta = build_metadata(
-            [r.num_computed_tokens for r in reqs],
-            list(so.num_scheduled_tokens.values()),
-            [r.block_ids for r in reqs],
-            self.block_size,
-            self.device,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        hidden = self._forward(so, input_ids, positions)
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         if not samplers:
@@ -122,6 +127,27 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         result = sample(logits.cpu(), self._sampling_batch(samplers))
         return self._collect(samplers, result.token_ids, result.logprobs)
+
+    def _forward(
+        self, so: SchedulerOutput, input_ids: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        reqs = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        num_new = list(so.num_scheduled_tokens.values())
+        if self.graphs is not None and self.graphs.fits(num_new):
+            return self.graphs.run(input_ids, positions, [r.block_ids for r in reqs])
+        meta = self.attn_backend.build_metadata(
+            [r.num_computed_tokens for r in reqs],
+            num_new,
+            [r.block_ids for r in reqs],
+            self.block_size,
+            self.device,
+        )
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+        )
 
     def _sampling_batch(self, samplers: list[tuple[str, list[int], range]]) -> SamplingBatch:
         params, ids, prompts, gens, blocked = [], [], [], [], []
