@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from runner.loaders.gguf_loader import GGUFModel
 from runner.loaders.hf_loader import HFDirectory
 from runner.model_config import ModelConfig
 from runner.model_source import ModelSource
@@ -14,11 +14,19 @@ from runner.models.decoder import DecoderForCausalLM
 from runner.models.registry import apply_architecture_defaults, builtin_model_class
 from runner.models.rope import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from runner.loaders.gguf_loader import GGUFModel
+
 ModelClassLookup = Callable[[str], type]
 
 
 def open_checkpoint(source: ModelSource) -> GGUFModel | HFDirectory:
-    return GGUFModel(source.gguf_file) if source.gguf_file else HFDirectory(source.path)
+    if source.gguf_file:
+        # The gguf package is needed for GGUF files only (a GPU box may lack it).
+        from runner.loaders.gguf_loader import GGUFModel
+
+        return GGUFModel(source.gguf_file)
+    return HFDirectory(source.path)
 
 
 def load_model(
