@@ -20,6 +20,7 @@ from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
+from runner.device_queue import PendingOutput
 from runner.loader import load_model
 from runner.model_config import ModelConfig
 from runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -242,9 +243,15 @@ class Engine:
         return self.process(so, self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        ro = self.launch(so)
+        return ro.result() if isinstance(ro, PendingOutput) else ro
+
+    def launch(self, so: SchedulerOutput) -> RunnerOutput | PendingOutput:
+        """Run a step; on CUDA its ids may still be on their way (PendingOutput.result())."""
         start = time.perf_counter()
         ro = self.runner.execute(so)
-        ro.duration_s = time.perf_counter() - start
+        if isinstance(ro, RunnerOutput):
+            ro.duration_s = time.perf_counter() - start
         return ro
 
     def process(self, so: SchedulerOutput, ro: RunnerOutput) -> list[Delta]:

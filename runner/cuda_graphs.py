@@ -17,7 +17,7 @@ split count is part of the graph, fixed per size from max_model_len.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,8 +120,10 @@ class DecodeGraphs:
         input_ids: Sequence[int],
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Replay the smallest graph that holds these decodes; [n, hidden] hidden states."""
+        """Replay the smallest graph that holds these decodes; [n, hidden] hidden states.
+        `fill` patches the input ids on the device (tokens the last step is still sampling)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         rows = self.sizes[-1]
@@ -140,6 +142,8 @@ class DecodeGraphs:
         # Table rows past seq_lens are never read, so stale ids there are harmless.
         self.static.copy_(staging, non_blocking=True)
         self.copied[self.turn].record()
+        if fill is not None:
+            fill(self._views(b)[0])
         graph, out = self.graphs[b]
         graph.replay()
         self.num_replays += 1

@@ -62,3 +62,34 @@ def test_bf16_engine_runs_triton_and_frees_blocks(tmp_path) -> None:
     outs = engine.generate(_prompts(5), params)
     assert all(len(c.token_ids) == 8 for c in outs)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@needs_cuda
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_device_batch_queue_matches_step_loop(loaded_cuda, overlap: bool) -> None:
+    """Greedy ids stay on the GPU between steps (PendingOutput); sampled requests mixed in
+    take the host sampler. Both give the plain step loop's tokens."""
+    import asyncio
+
+    from daemon.async_engine import AsyncEngine
+    from runner.device_queue import PendingOutput
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    prompts = _prompts(6)
+    params = [greedy if i % 3 else seeded for i in range(6)]
+    reference = engine_for(loaded_cuda, kv_cache_memory=64 << 20)
+    expected = []
+    for p, sp in zip(prompts, params):
+        expected.append(reference.generate([p], sp)[0].token_ids)
+    eng = engine_for(loaded_cuda, kv_cache_memory=64 << 20)
+    async_engine = AsyncEngine(eng, overlap=overlap)
+
+    async def one(p: list[int], sp: SamplingParams) -> list[int]:
+        return [t async for d in async_engine.generate(p, sp) for t in d.token_ids]
+
+    got = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+    await async_engine.stop()
+    assert got == expected
+    eng.add_request(prompts[0], greedy)
+    assert isinstance(eng.launch(eng.scheduler.schedule()), PendingOutput)
