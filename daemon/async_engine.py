@@ -187,8 +187,10 @@ class AsyncEngine:
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
 
     def _launcher(self) -> Callable[[SchedulerOutput], RunnerOutput | PendingOutput]:
-        """CUDA steps return before their ids reach the host; CPU steps run to the end."""
-        return self.engine.launch if self.engine.device.type == "cuda" else self.engine.execute
+        """With device-side ids (CUDA) a step returns before its ids reach the host; CPU
+        steps run to the end."""
+        on_device = self.engine.runner.device_tokens is not None
+        return self.engine.launch if on_device else self.engine.execute
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:

@@ -43,6 +43,13 @@ def plain_greedy(params: SamplingParams) -> bool:
     )
 
 
+class _Done:
+    """A completed event, for ids that were never on a GPU."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class PendingOutput:
     """One step's sampled ids on their way into pinned host memory."""
@@ -52,7 +59,7 @@ class PendingOutput:
     device_ids: torch.Tensor
     # [N] int64 pinned host copy, valid once `done` has completed.
     host_ids: torch.Tensor
-    done: torch.cuda.Event
+    done: torch.cuda.Event | _Done
     started: float
     # req id -> row, for settling; requests that finish or are preempted are dropped here.
     rows: dict[str, int] = field(default_factory=dict)
@@ -73,10 +80,13 @@ class DeviceTokens:
         self.pending: deque[PendingOutput] = deque()
 
     def record(self, device_ids: torch.Tensor, req_ids: list[str], started: float) -> PendingOutput:
-        host = torch.empty(device_ids.shape, dtype=torch.long, pin_memory=True)
-        host.copy_(device_ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        if device_ids.is_cuda:
+            host = torch.empty(device_ids.shape, dtype=torch.long, pin_memory=True)
+            host.copy_(device_ids, non_blocking=True)
+            done: torch.cuda.Event | _Done = torch.cuda.Event()
+            done.record()
+        else:  # CPU tensors (tests of this bookkeeping): the ids are already there
+            host, done = device_ids.clone(), _Done()
         step = PendingOutput(req_ids, device_ids, host, done, started)
         step.rows = {rid: i for i, rid in enumerate(req_ids)}
         self.pending.append(step)
