@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from daemon.engine import Delta, Engine
+from runner.device_queue import PendingOutput
 from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("headrace.engine")
@@ -64,6 +65,8 @@ class AsyncEngine:
         self.engine = engine
         self.depth = 2 if overlap else 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+        # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="headrace-waiter")
         self._streams: dict[str, asyncio.Queue[Delta]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -87,6 +90,7 @@ class AsyncEngine:
                 await self._task
             self._task = None
         self._executor.shutdown(wait=True)
+        self._waiter.shutdown(wait=True)
 
     @property
     def num_in_flight_requests(self) -> int:
@@ -140,7 +144,7 @@ class AsyncEngine:
                 so = self.engine.scheduler.schedule()
                 if not so.is_empty:
                     in_flight.append(
-                        (so, loop.run_in_executor(self._executor, self.engine.execute, so))
+                        (so, loop.run_in_executor(self._executor, self._launcher(), so))
                     )
                     if len(in_flight) < self.depth:
                         continue  # queue the next step before waiting on this one
@@ -154,6 +158,10 @@ class AsyncEngine:
                 so, future = in_flight.popleft()
                 try:
                     ro = await future
+                    if isinstance(ro, PendingOutput):
+                        # CUDA: the ids are still copying to pinned memory; wait on that
+                        # step's event off the loop, while the runner launches the next.
+                        ro = await loop.run_in_executor(self._waiter, ro.result)
                 except Exception as e:
                     self._dispatch(self.engine.fail_step(so, e))
                 else:
@@ -177,6 +185,12 @@ class AsyncEngine:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
+
+    def _launcher(self) -> Callable[[SchedulerOutput], RunnerOutput | PendingOutput]:
+        """With device-side ids (CUDA) a step returns before its ids reach the host; CPU
+        steps run to the end."""
+        on_device = self.engine.runner.device_tokens is not None
+        return self.engine.launch if on_device else self.engine.execute
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:

@@ -20,6 +20,7 @@ from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
+from runner.device_queue import PendingOutput
 from runner.loader import load_model, open_checkpoint
 from runner.model_config import ModelConfig
 from runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -125,7 +126,7 @@ class Engine:
         )
         self.model_name = loaded.name
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self._num_kv_blocks(max_model_len)
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
         )
@@ -138,7 +139,14 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
         self.runner = ModelRunner(
-            self.model, self.model_config, num_blocks, config.block_size, self.device, self.dtype
+            self.model,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.attention_backend,
+            None if self._eager() else (config.max_num_seqs, max_model_len),
         )
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -154,13 +162,24 @@ class Engine:
             torch.get_num_threads(),
         )
 
-    def _num_kv_blocks(self) -> int:
+    def _eager(self) -> bool:
+        """CUDA graphs need CUDA and the Triton backend; --enforce-eager turns them off."""
+        from runner.triton_ops import triton_available
+
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return True
+        backend = self.config.attention_backend
+        return not (backend == "triton" or (backend == "auto" and triton_available()))
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
+                if not self._eager():
+                    budget -= self._graph_memory(max_model_len)
             else:
                 budget = min(_available_ram() // 4, 1 << 30)
         if budget < per_block:
@@ -168,6 +187,21 @@ class Engine:
                 f"kv_cache_memory: {budget} bytes holds no block ({per_block} bytes per block)"
             )
         return budget // per_block
+
+    def _graph_memory(self, max_model_len: int) -> int:
+        """The decode graphs' pool, measured on a throwaway cache before the real one exists."""
+        from runner.attention_backends import select_attention_backend
+        from runner.cuda_graphs import estimate_graph_memory
+
+        cfg = self.model_config
+        backend = select_attention_backend(
+            self.device, cfg.num_key_value_heads, self.config.attention_backend
+        )
+        self.model.set_attention_backend(backend)
+        shape = (2, 1, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return estimate_graph_memory(
+            self.model, shape, self.dtype, self.config.max_num_seqs, max_model_len, self.device
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -222,9 +256,15 @@ class Engine:
         return self.process(so, self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        ro = self.launch(so)
+        return ro.result() if isinstance(ro, PendingOutput) else ro
+
+    def launch(self, so: SchedulerOutput) -> RunnerOutput | PendingOutput:
+        """Run a step; on CUDA its ids may still be on their way (PendingOutput.result())."""
         start = time.perf_counter()
         ro = self.runner.execute(so)
-        ro.duration_s = time.perf_counter() - start
+        if isinstance(ro, RunnerOutput):
+            ro.duration_s = time.perf_counter() - start
         return ro
 
     def process(self, so: SchedulerOutput, ro: RunnerOutput) -> list[Delta]:

@@ -39,6 +39,12 @@ class EngineConfig:
         "bytes of KV cache (default: a quarter of available RAM, at most 1 GiB, on CPU; "
         "gpu-memory-utilization of free device memory on CUDA)",
     )
+    attention_backend: str = opt(
+        "auto", "torch, triton, or auto (Triton kernels on CUDA, the torch reference elsewhere)"
+    )
+    enforce_eager: bool = opt(
+        False, "no CUDA graphs for decode-only steps (graphs need CUDA and the Triton backend)"
+    )
     gpu_memory_utilization: float = opt(0.9, "fraction of free CUDA memory for the KV cache")
     max_model_len: int | None = opt(
         None, "longest prompt + output in tokens (default: the model's, capped at 8192)"

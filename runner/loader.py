@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from runner.loaders.gguf_loader import GGUFModel
 from runner.loaders.hf_loader import HFDirectory
 from runner.model_config import ModelConfig
 from runner.model_source import ModelSource
@@ -14,11 +14,19 @@ from runner.models.decoder import DecoderForCausalLM
 from runner.models.registry import apply_architecture_defaults, builtin_model_class
 from runner.models.rope import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from runner.loaders.gguf_loader import GGUFModel
+
 ModelClassLookup = Callable[[str], type]
 
 
 def open_checkpoint(source: ModelSource) -> GGUFModel | HFDirectory:
-    return GGUFModel(source.gguf_file) if source.gguf_file else HFDirectory(source.path)
+    if source.gguf_file:
+        # The gguf package is needed for GGUF files only (a GPU box may lack it).
+        from runner.loaders.gguf_loader import GGUFModel
+
+        return GGUFModel(source.gguf_file)
+    return HFDirectory(source.path)
 
 
 def load_model(
@@ -38,12 +46,14 @@ def load_model(
             raise ValueError(f"unsupported model architecture {cfg.architecture!r}")
         cls = lookup(cfg.architecture)
     # Built on the meta device: no time is spent on a random init the weights overwrite.
+    # Parameters are allocated once, on the device and in the target dtype; each checkpoint
+    # tensor is converted as it is copied in, so no fp32 copy of the whole model exists.
     with torch.device("meta"):
-        model = cls(cfg, max_positions)
+        model = cls(cfg, max_positions).to(dtype)
     model = model.to_empty(device=device)
     # to_empty unties shared parameters and leaves computed buffers empty: redo both.
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
     model.load_weights(checkpoint.weights(cfg))
-    return model.to(dtype).eval(), cfg
+    return model.to(dtype).eval(), cfg  # the RoPE tables follow the activations' dtype

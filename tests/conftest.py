@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +20,14 @@ from scheduling import (
     SchedulerConfig,
     SchedulerOutput,
 )
+
+# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's included, so
+# the mode is fixed when triton is first imported, by whichever module does it (transformers
+# may). Without a GPU the interpreter is the only way triton runs at all, so setting it for
+# the session changes nothing else; with one, the kernel tests run compiled on the GPU.
+# (The same test as the Makefile's for "this machine has CUDA".)
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class FakeClock:

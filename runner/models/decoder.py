@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention import AttentionMetadata, paged_attention, write_kv
+from runner.attention import AttentionMetadata
+from runner.attention_backends import AttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_config import ModelConfig
 from runner.models.rope import RotaryEmbedding
@@ -50,6 +51,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        # Set for all layers by DecoderForCausalLM.set_attention_backend (the runner's choice).
+        self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
         self,
@@ -69,8 +72,8 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         # Every new token's K/V is written before any query reads: a chunk attends to itself,
         # and a prefix block filled in this step is already readable by its other users.
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
+        self.backend.write_kv(kv_cache, k, v, meta)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -136,6 +139,11 @@ class DecoderForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Every layer's attention runs on `backend`, whose metadata the runner builds."""
+        for layer in self.layers:
+            layer.self_attn.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample."""

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU path's check, for a session with an NVIDIA GPU (an H200: about 5 minutes).
+# Run from the repository root:
+#
+#   bash benchmarks/gpu_check.sh                # CUDA tests, then benchmarks/gpu_check.py
+#   bash benchmarks/gpu_check.sh --cpu-dry-run  # the same steps on tiny shapes, CPU only
+#
+# The device image has torch (CUDA), triton, transformers, aiohttp, uvloop and
+# prometheus-client, but not orjson (imported by scheduling/ and the HF loader). Carry its
+# wheel: here, `echo /.whl/ >> .git/info/exclude` and
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 -d .whl orjson==3.11.4
+# then run with carry [".whl"]; this script installs whatever .whl/ holds first. gguf and
+# openai are not needed: nothing here imports them (GGUF loading imports gguf lazily).
+# Every section prints RESULT lines; their meaning is in benchmarks/gpu_check.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ -x .venv/bin/python ] && [ "${1:-}" = "--cpu-dry-run" ]; then PY=.venv/bin/python; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+if [ "${1:-}" = "--cpu-dry-run" ]; then
+    export TRITON_INTERPRET=1
+    $PY -m pytest -q tests/test_triton_attention.py tests/test_triton_cuda.py
+    time $PY benchmarks/gpu_check.py --cpu-dry-run
+    exit 0
+fi
+
+nvidia-smi
+# The kernel tests run compiled on the GPU; the CUDA-only tests (graphs, bf16 engine) run too.
+timeout 240 $PY -m pytest -q -x tests/test_triton_attention.py tests/test_triton_norm_rope.py \
+    tests/test_triton_backend.py tests/test_triton_cuda.py \
+    && echo "RESULT cuda_tests=pass" || echo "RESULT cuda_tests=FAIL"
+time timeout 330 $PY benchmarks/gpu_check.py

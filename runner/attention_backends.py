@@ -1,0 +1,87 @@
+"""Attention backends behind one interface, and the choice of one for a device.
+
+```
+backend.build_metadata(num_computed, num_new, block_tables, block_size, device)  once a step
+backend.write_kv(kv_cache, k, v, meta)       per layer: the step's new K/V into the cache
+backend.forward(q, kv_cache, meta, scale)    per layer: [T, H, D] -> [T, H, D]
+```
+`torch` (runner/attention.py) is exact on every device and is the oracle the Triton kernels
+are tested against; `triton` (runner/triton_ops/) is the CUDA path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from runner import attention
+from runner.triton_ops import triton_available
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    """What the decoder and the runner call; metadata is whatever the backend builds."""
+
+    name: str
+
+    def build_metadata(
+        self,
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> Any: ...
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any
+    ) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """The torch reference: gathered blocks and masked SDPA (runner/attention.py)."""
+
+    name = "torch"
+
+    def build_metadata(
+        self,
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> attention.AttentionMetadata:
+        return attention.build_metadata(num_computed, num_new, block_tables, block_size, device)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        attention.write_kv(kv_cache, k, v, meta.slot_mapping)
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
+    ) -> torch.Tensor:
+        return attention.paged_attention(q, kv_cache, meta, scale)
+
+
+def select_attention_backend(
+    device: torch.device, kv_heads: int, choice: str = "auto"
+) -> AttentionBackend:
+    """`auto`: Triton on CUDA when triton imports, the torch reference everywhere else."""
+    if choice not in BACKENDS:
+        raise ValueError(f"attention_backend: {choice!r} is not one of {', '.join(BACKENDS)}")
+    want_triton = choice == "triton" or (
+        choice == "auto" and device.type == "cuda" and triton_available()
+    )
+    if not want_triton:
+        return TorchAttentionBackend()
+    if not triton_available():
+        raise ValueError("attention_backend: 'triton' needs the triton package")
+    from runner.triton_ops.backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(kv_heads)

@@ -1,0 +1,48 @@
+"""The Triton backend inside the engine (interpreter on CPU) and the backend choice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from model_fixtures import engine_for, make_tiny_hf_model
+
+from daemon.engine import LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.attention_backends import TorchAttentionBackend, select_attention_backend
+from runner.triton_ops import triton_available
+from scheduling import SamplingParams
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def test_cpu_selects_the_torch_reference() -> None:
+    assert select_attention_backend(torch.device("cpu"), 2).name == "torch"
+    assert isinstance(
+        select_attention_backend(torch.device("cpu"), 2, "torch"), TorchAttentionBackend
+    )
+    with pytest.raises(ValueError, match="attention_backend: 'flash'"):
+        select_attention_backend(torch.device("cpu"), 2, "flash")
+
+
+@needs_triton
+def test_engine_on_triton_backend_matches_torch_backend(tmp_path) -> None:
+    """Greedy output of a tiny Qwen3 (head_dim 24, GQA 4/2) with chunked prefill, a prefix-
+    cache hit and mixed steps: identical through the Triton kernels (interpreted on CPU)
+    and the reference."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = LoadedModel.load(EngineConfig(model=str(tmp_path), device=device, dtype="float32"))
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 320) for _ in range(20)]
+    prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 1)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cfg = dict(block_size=16, max_num_batched_tokens=16, kv_cache_memory=1 << 20)
+    expected = [c.token_ids for c in engine_for(loaded, **cfg).generate(prompts, params)]
+    engine = engine_for(loaded, attention_backend="triton", **cfg)
+    assert engine.runner.attn_backend.name == "triton"
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    loaded.model.set_attention_backend(TorchAttentionBackend())  # the model is shared
+    assert got == expected
