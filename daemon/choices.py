@@ -62,12 +62,14 @@ class Choice:
 
 async def merged(choices: list[Choice], firsts: list[Delta]) -> AsyncIterator[tuple[Choice, Delta]]:
     """Deltas of all choices in arrival order, starting with each one's first delta."""
-    queue: asyncio.Queue[tuple[Choice, Delta | None]] = asyncio.Queue()
+    # Bounded: a consumer that stalls (a client not reading) stalls the pumps, so pending
+    # deltas stay in each request's stream, where the engine bounds them.
+    queue: asyncio.Queue[tuple[Choice, Delta | None]] = asyncio.Queue(maxsize=64)
 
     async def pump(choice: Choice) -> None:
         async for delta in choice.stream:
-            queue.put_nowait((choice, delta))
-        queue.put_nowait((choice, None))
+            await queue.put((choice, delta))
+        await queue.put((choice, None))
 
     for choice, first in zip(choices, firsts):
         yield choice, first

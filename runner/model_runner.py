@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.attention import build_metadata
+from runner.fault_isolation import sample_isolated
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
@@ -108,20 +109,56 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        # Advanced before the forward (meta holds the old values), so a failed forward leaves
+        # the counters where the scheduler already has them.
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
-        if not samplers:
-            return RunnerOutput()
-        rows = [row for _, _, rs in samplers for row in rs]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = sample(logits.cpu(), self._sampling_batch(samplers))
-        return self._collect(samplers, result.token_ids, result.logprobs)
+        try:
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_caches,
+                meta,
+            )
+            if not samplers:
+                return RunnerOutput()
+            rows = [row for _, _, rs in samplers for row in rs]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = logits.cpu()
+        except Exception:
+            self._after_forward_fault(samplers)
+            raise
+        return self._sample(samplers, logits)
+
+    def _after_forward_fault(self, samplers: list[tuple[str, list[int], range]]) -> None:
+        """Leave the runner consistent after a failed forward.
+
+        The engine ends the step's requests (their blocks are freed untrusted). Until their
+        ids come back as finished, the runner's copies look as if the step had run with no
+        draft accepted and a placeholder id sampled, so a step already scheduled behind
+        this one (the batch queue) still lines up and its other requests are unharmed.
+        """
+        for rid, drafts, _ in samplers:
+            req = self.requests[rid]
+            req.num_computed_tokens -= len(drafts)
+            req.token_ids.append(0)
+
+    def _sample(self, samplers: list[tuple[str, list[int], range]], logits: torch.Tensor):
+        """Sample every request's rows; a request whose own sampling raises fails alone."""
+        groups, offset = [], 0
+        for _, _, rs in samplers:
+            groups.append(range(offset, offset + len(rs)))
+            offset += len(rs)
+        result = sample_isolated(sample, logits, self._sampling_batch(samplers), groups)
+        out = self._collect(samplers, result.token_ids, result.logprobs)
+        for (rid, _, _), rows in zip(samplers, groups):
+            if rows.start in result.failed_rows:
+                # It ends when this step is processed. _collect left a placeholder id in the
+                # runner's copy, which keeps a step already scheduled after this one aligned.
+                out.failed[rid] = result.failed_rows[rows.start]
+                out.sampled_token_ids.pop(rid, None)
+                out.logprobs.pop(rid, None)
+        return out
 
     def _sampling_batch(self, samplers: list[tuple[str, list[int], range]]) -> SamplingBatch:
         params, ids, prompts, gens, blocked = [], [], [], [], []
