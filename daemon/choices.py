@@ -103,12 +103,16 @@ def completion_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, A
     }
 
 
-def chat_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, Any]:
-    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(entries: list[LogprobEntry], token_bytes: Any) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}.
+
+    `token_bytes(id) -> (text, raw bytes)`: a token holding part of a UTF-8 character has
+    its own bytes, not those of U+FFFD (daemon/token_bytes.py).
+    """
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, raw = token_bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine import Engine
 
@@ -19,7 +19,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class Metrics:
     """Request-level histograms and counters, plus engine gauges read at scrape time."""
 
-    content_type = CONTENT_TYPE_LATEST
+    # The text exposition format 0.0.4: what every Prometheus version scrapes.
+    content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()

@@ -10,6 +10,7 @@ from daemon.engine import Delta
 from daemon.errors import OPENAI_FINISH_REASONS
 from daemon.openai_protocol import GenerationRequest, new_id, now
 from daemon.openai_protocol import usage as openai_usage
+from daemon.token_bytes import TokenBytes
 
 
 class ResponseBuilder:
@@ -19,13 +20,14 @@ class ResponseBuilder:
         self.model_name = model_name
         self.tokenizer = tokenizer
 
+        self.token_bytes = TokenBytes(tokenizer)
+
     def decode(self, token_id: int) -> str:
-        tok = self.tokenizer
-        return tok.decode([token_id]) if tok is not None else str(token_id)
+        return self.token_bytes(token_id)[0]
 
     def logprobs(self, entries: list[LogprobEntry], chat: bool) -> dict[str, Any]:
         if chat:
-            return chat_logprobs(entries, self.decode)
+            return chat_logprobs(entries, self.token_bytes)
         return completion_logprobs(entries, self.decode)
 
     def full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
