@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from daemon.api_options import APIOptions
 from daemon.async_engine import AsyncEngine
+from daemon.auth import access
 from daemon.choices import Choice, merged
 from daemon.engine import Delta
+from daemon.errors import (
+    OPENAI_FINISH_REASONS,
+    body_limit,
+    json_errors,
+    json_response,
+)
+from daemon.extra_endpoints import ExtraEndpoints, read_json
 from daemon.metrics import Metrics
 from daemon.openai_protocol import (
     UNTIL_CONTEXT_ENDS,
@@ -23,51 +31,63 @@ from daemon.openai_protocol import (
     parse_messages,
     parse_request,
 )
+from daemon.overload import CapacityEstimate
 from daemon.responses import ResponseBuilder
+from daemon.tokenizing import Tokenizing
+from daemon.validation import ValidationError, choice_seed
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.api")
 RETRY_AFTER_S = "1"
 
 
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None):
-    return web.Response(
-        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
-    )
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
-    try:
-        return await handler(request)
-    except APIError as e:
-        return json_response(e.body(), e.status, e.headers)
-    except web.HTTPException:
-        raise
-    except Exception:
-        log.exception("unhandled error on %s", request.path)
-        return json_response(APIError(500, "internal error", kind="server_error").body(), 500)
-
-
 class APIServer:
     """Handlers over one AsyncEngine. `draining` makes new generation requests answer 503."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: Metrics,
+        options: APIOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options = options or APIOptions()
         self.draining = False
         self.created = now()
         self.responses = ResponseBuilder(model_name, engine.engine.tokenizer)
+        self.tokenizing = Tokenizing(engine.engine.tokenizer, options.offload_chars)
+        engine.max_pending_deltas = options.max_pending_deltas
+        self.capacity = CapacityEstimate()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors], client_max_size=16 << 20)
+        opts = self.options
+        app = web.Application(
+            middlewares=[
+                json_errors,
+                access(opts.api_key, opts.metrics_unix_only),
+                body_limit(opts.max_request_bytes),
+            ],
+            client_max_size=opts.max_request_bytes,
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
+        ExtraEndpoints(
+            self.model_card,
+            self.tokenizing,
+            self.engine.engine.model_config.vocab_size,
+            self.engine.engine.scheduler.max_model_len,
+        ).register(app)
+        app.on_cleanup.append(self._cleanup)
         return app
+
+    async def _cleanup(self, app: web.Application) -> None:
+        self.tokenizing.close()
 
     # -- simple endpoints ----------------------------------------------------------------
 
@@ -76,19 +96,21 @@ class APIServer:
             return json_response({"status": "draining"}, 503)
         return json_response({"status": "ok"})
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
+    def model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "headrace",
             "max_model_len": self.engine.engine.scheduler.max_model_len,
         }
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self.model_card()]})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.engine.engine)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        return web.Response(body=body, headers={"Content-Type": self.metrics.content_type})
 
     # -- generation ----------------------------------------------------------------------
 
@@ -106,10 +128,7 @@ class APIServer:
                 kind="unavailable",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            raise APIError(400, f"body: invalid JSON: {e}") from None
+        body = await read_json(request)
         req = parse_request(body, chat)
         if req.model not in (None, self.model_name):
             raise APIError(
@@ -118,7 +137,12 @@ class APIServer:
                 "model",
                 kind="not_found_error",
             )
-        prompts = [self._chat_prompt(body)] if chat else req.prompts
+        if chat:
+            prompts: list[list[int]] = [await self.tokenizing.chat(parse_messages(body))]
+        else:
+            prompts = [await self.tokenizing.prompt_ids(p) for p in req.prompts]
+        if self.options.log_prompts:
+            log.info("prompt: %s", body.get("messages") if chat else req.prompts)
         choices = self._add(req, prompts)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
@@ -131,11 +155,16 @@ class APIServer:
                         kind="unavailable",
                         headers={"Retry-After": RETRY_AFTER_S},
                     )
+                if first.finished and first.finish_reason not in OPENAI_FINISH_REASONS:
+                    # Nothing sent yet: a plain 500 beats a stream that opens with an error.
+                    raise APIError(
+                        500, f"generation failed: {first.stop_reason}", kind="server_error"
+                    )
             if req.stream:
                 return await self._stream(request, req, choices, firsts, chat)
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
-            failed = [c for c in choices if c.finish_reason == "error"]
+            failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
             if failed:
                 raise APIError(
                     500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
@@ -146,18 +175,17 @@ class APIServer:
                 choice.stream.close()
                 self._observe(choice)
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        tokenizer = self.engine.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "messages: this model has no chat template", "messages")
-        text = tokenizer.apply_chat_template(
-            parse_messages(body), add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    def _add(self, req: GenerationRequest, prompts: list[str | list[int]]) -> list[Choice]:
+    def _add(self, req: GenerationRequest, prompts: list[list[int]]) -> list[Choice]:
         engine = self.engine.engine
         max_len = engine.scheduler.max_model_len
+        max_waiting = engine.scheduler.config.max_waiting
+        if max_waiting and len(prompts) * req.n > max_waiting:
+            raise APIError(
+                400,
+                f"prompt: {len(prompts)} prompts x n={req.n} exceed the waiting queue "
+                f"(--max-waiting {max_waiting}); this request can never be queued",
+                "prompt",
+            )
         choices: list[Choice] = []
         try:
             for p_index, prompt in enumerate(prompts):
@@ -175,10 +203,9 @@ class APIServer:
                         )
                     params = replace(params, max_tokens=room)
                 for i in range(req.n):
-                    seed = params.seed + i if params.seed is not None and i else params.seed
                     stream = self.engine.add_request(
                         ids,
-                        replace(params, seed=seed),
+                        replace(params, seed=choice_seed(params.seed, i)),
                         priority=req.priority,
                         slo=req.slo,
                         cache_salt=req.cache_salt,
@@ -186,9 +213,15 @@ class APIServer:
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
         except QueueFullError as e:
             self._close(choices)
+            wait = self.capacity.retry_after(
+                len(engine.scheduler.waiting) - (max_waiting or 0) + len(prompts) * req.n
+            )
             raise APIError(
-                429, str(e), kind="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_S}
+                429, str(e), kind="rate_limit_exceeded", headers={"Retry-After": str(wait)}
             ) from None
+        except ValidationError as e:
+            self._close(choices)
+            raise APIError(400, str(e), e.param) from None
         except ValueError as e:
             self._close(choices)
             param = str(e).split(":", 1)[0] if ":" in str(e) else None
@@ -217,17 +250,27 @@ class APIServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        timeout = self.options.stream_timeout
         try:
             async for payload in self.responses.events(req, choices, firsts, chat):
-                await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                # A client that stops reading blocks this write once the socket buffer is
+                # full; past the timeout the stream ends and its request is aborted.
+                await asyncio.wait_for(
+                    resp.write(b"data: " + orjson.dumps(payload) + b"\n\n"), timeout
+                )
+            await asyncio.wait_for(resp.write(b"data: [DONE]\n\n"), timeout)
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client left; the caller's `finally` aborts what still runs
+        except TimeoutError:
+            rid = choices[0].stream.request_id if choices else "-"
+            log.warning("stream %s: client took no data for %.0fs; ending it", rid, timeout)
         return resp
 
     def _observe(self, c: Choice) -> None:
         m = self.metrics
+        if c.finish_reason is not None:
+            self.capacity.finished()
         if c.ttft is not None:
             m.ttft.observe(c.ttft)
         for gap in c.gaps:

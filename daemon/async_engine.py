@@ -76,6 +76,9 @@ class AsyncEngine:
         self.idle_timeout: float | None = None
         self.num_steps = 0
         self._checked_at_step = 0
+        # A stream holding this many undelivered deltas (its client stopped reading) is
+        # ended: memory per request stays bounded whatever the client does.
+        self.max_pending_deltas = 4096
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -195,5 +198,16 @@ class AsyncEngine:
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:
             queue = self._streams.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            if queue is None:
+                continue
+            if queue.qsize() >= self.max_pending_deltas and not delta.finished:
+                self._overflow(delta.request_id, queue)
+                continue
+            queue.put_nowait(delta)
+
+    def _overflow(self, request_id: str, queue: asyncio.Queue[Delta]) -> None:
+        log.warning("request %s: %d deltas not taken; ending it", request_id, queue.qsize())
+        self._streams.pop(request_id, None)
+        self.engine.abort([request_id])
+        why = f"the client did not read its stream ({self.max_pending_deltas} chunks pending)"
+        queue.put_nowait(Delta(request_id, "", [], "abort", why))

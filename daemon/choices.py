@@ -62,12 +62,14 @@ class Choice:
 
 async def merged(choices: list[Choice], firsts: list[Delta]) -> AsyncIterator[tuple[Choice, Delta]]:
     """Deltas of all choices in arrival order, starting with each one's first delta."""
-    queue: asyncio.Queue[tuple[Choice, Delta | None]] = asyncio.Queue()
+    # Bounded: a consumer that stalls (a client not reading) stalls the pumps, so pending
+    # deltas stay in each request's stream, where the engine bounds them.
+    queue: asyncio.Queue[tuple[Choice, Delta | None]] = asyncio.Queue(maxsize=64)
 
     async def pump(choice: Choice) -> None:
         async for delta in choice.stream:
-            queue.put_nowait((choice, delta))
-        queue.put_nowait((choice, None))
+            await queue.put((choice, delta))
+        await queue.put((choice, None))
 
     for choice, first in zip(choices, firsts):
         yield choice, first
@@ -101,12 +103,16 @@ def completion_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, A
     }
 
 
-def chat_logprobs(entries: list[LogprobEntry], decode: Any) -> dict[str, Any]:
-    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(entries: list[LogprobEntry], token_bytes: Any) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}.
+
+    `token_bytes(id) -> (text, raw bytes)`: a token holding part of a UTF-8 character has
+    its own bytes, not those of U+FFFD (daemon/token_bytes.py).
+    """
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, raw = token_bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [

@@ -18,6 +18,7 @@ import torch
 
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
+from daemon.validation import check_vocab
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
 from runner.device_queue import PendingOutput
@@ -226,6 +227,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        check_vocab(params, vocab)
         request_id = request_id or f"req-{next(self._ids)}"
         req = Request(
             request_id=request_id,
@@ -271,10 +273,31 @@ class Engine:
         """Apply a step's results: advance requests, detokenize, end those that hit a stop."""
         if not so.is_empty:
             self.scheduler.observe_step(StepStats(so.shape, ro.duration_s))
-        deltas = []
+        deltas = self._fail_requests(ro.failed)
         for out in self.scheduler.update(so, ro):
-            deltas.append(self._delta(out))
+            deltas.append(self._delta_isolated(out))
         return deltas
+
+    def _fail_requests(self, failed: dict[str, str]) -> list[Delta]:
+        """End requests whose own processing raised (finish "error"); the others go on."""
+        ids = [rid for rid in failed if rid in self.scheduler.requests]
+        if not ids:
+            return []
+        log.error("ending %d request(s) after a fault of their own: %s", len(ids), failed)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        for rid in ids:
+            self._detokenizers.pop(rid, None)
+        return [Delta(rid, "", [], "error", failed[rid]) for rid in ids]
+
+    def _delta_isolated(self, out: RequestOutput) -> Delta:
+        """`_delta`, but a detokenizer (or stop-check) fault ends this request alone."""
+        try:
+            return self._delta(out)
+        except Exception as e:  # attributable to this request only
+            log.error("detokenizing %s failed", out.request_id, exc_info=True)
+            self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_ERROR)
+            self._detokenizers.pop(out.request_id, None)
+            return Delta(out.request_id, "", [], "error", f"detokenizing failed: {e!r}")
 
     def release_finished(self) -> None:
         """When idle: let the runner drop the state of requests that ended in the last step.

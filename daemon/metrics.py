@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine import Engine
 
@@ -11,6 +18,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class Metrics:
     """Request-level histograms and counters, plus engine gauges read at scrape time."""
+
+    # The text exposition format 0.0.4: what every Prometheus version scrapes.
+    content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -26,10 +36,12 @@ class Metrics:
             "Prompt tokens served from the prefix cache",
             registry=r,
         )
-        self.prefix_queries = Gauge(
+        # Counters (exposed with the _total suffix), advanced at scrape time to the engine's
+        # own running totals.
+        self.prefix_queries = Counter(
             "headrace_prefix_cache_queries_tokens", "Prompt tokens looked up", registry=r
         )
-        self.preemptions = Gauge("headrace_preemptions", "Preemptions since start", registry=r)
+        self.preemptions = Counter("headrace_preemptions", "Preemptions since start", registry=r)
         self.ttft = Histogram(
             "headrace_time_to_first_token_seconds",
             "Time to first token",
@@ -64,6 +76,13 @@ class Metrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(kv.usage())
         self.prefix_hit_rate.set(kv.prefix_stats.hit_rate)
-        self.prefix_queries.set(kv.prefix_stats.queries)
-        self.preemptions.set(sched.num_preemptions)
+        _advance(self.prefix_queries, kv.prefix_stats.queries)
+        _advance(self.preemptions, sched.num_preemptions)
         return generate_latest(self.registry)
+
+
+def _advance(counter: Counter, total: float) -> None:
+    """Move a counter up to an engine total (never down: counters only grow)."""
+    delta = total - counter._value.get()
+    if delta > 0:
+        counter.inc(delta)

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon import validation
+from daemon.validation import ValidationError
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
 MAX_N = 16
@@ -70,14 +72,6 @@ def _name(types: type | tuple[type, ...]) -> str:
     )
 
 
-_UNSUPPORTED = {
-    "suffix": "suffix is not supported",
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "response_format": "response_format arrives with structured output (grammars)",
-}
-
-
 @dataclass(slots=True)
 class GenerationRequest:
     """What the API layer hands the engine for one HTTP request."""
@@ -100,21 +94,30 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     """Validate a completions or chat body; APIError(400, field) on anything wrong."""
     if not isinstance(body, dict):
         raise APIError(400, "body: expected a JSON object")
-    for key, why in _UNSUPPORTED.items():
-        if body.get(key) not in (None, [], {}):
-            raise APIError(400, f"{key}: {why}", key)
+    try:
+        return _parse_request(body, chat)
+    except ValidationError as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
+    validation.check_fields(body, "chat" if chat else "completions")
     if chat:
         prompts: list[str | list[int]] = []  # filled by the server from the chat template
-        max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
-        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
+        max_tokens = _get(body, "max_completion_tokens", int)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int)
+        wants_logprobs = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int)
+        if top is not None and not wants_logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        logprobs = (top or 0) if wants_logprobs else None
     else:
         prompts = _parse_prompt(body.get("prompt"))
         max_tokens = _get(body, "max_tokens", int, 16)
         logprobs = _get(body, "logprobs", int)
-        if _get(body, "echo", bool):
-            raise APIError(400, "echo: not supported", "echo")
-        if _get(body, "best_of", int, 1) != 1:
-            raise APIError(400, "best_of: only 1 is supported", "best_of")
+    if body.get("stream_options") is not None and not _get(body, "stream", bool, False):
+        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n: must be in [1, {MAX_N}], got {n}", "n")
@@ -130,6 +133,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
             400, "logit_bias: keys must be token ids, values numbers", "logit_bias"
         ) from None
     seed = _get(body, "seed", int)
+    validation.check_seed(seed)
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else UNTIL_CONTEXT_ENDS,
@@ -139,7 +143,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
             min_p=float(_get(body, "min_p", (int, float), 0.0)),
             seed=seed,
             stop=stop,
-            stop_token_ids=_get(body, "stop_token_ids", list, []),
+            stop_token_ids=validation.int_list(body.get("stop_token_ids"), "stop_token_ids"),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
             ignore_eos=_get(body, "ignore_eos", bool, False),
             min_tokens=_get(body, "min_tokens", int, 0),
@@ -152,11 +156,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         )
     except SamplingParamsError as e:
         raise APIError(400, str(e), e.field) from None
-    slo_body = _get(body, "slo", dict)
-    try:
-        slo = SLO(slo_body.get("ttft_ms"), slo_body.get("tpot_ms")) if slo_body else None
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), "slo") from None
+    slo = _parse_slo(_get(body, "slo", dict))
     options = _get(body, "stream_options", dict, {})
     return GenerationRequest(
         prompts=prompts,
@@ -171,6 +171,19 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         logprobs=logprobs,
         extra={"user": _get(body, "user", str)},
     )
+
+
+def _parse_slo(slo: dict[str, Any] | None) -> SLO | None:
+    if not slo:
+        return None
+    unknown = sorted(set(slo) - {"ttft_ms", "tpot_ms"})
+    if unknown:
+        raise APIError(400, f"slo: unknown field(s): {', '.join(unknown)}", "slo")
+    values = {k: validation.number(slo.get(k), f"slo.{k}") for k in ("ttft_ms", "tpot_ms")}
+    try:
+        return SLO(**values)
+    except ValueError as e:
+        raise APIError(400, str(e), "slo") from None
 
 
 def _parse_prompt(prompt: Any) -> list[str | list[int]]:
@@ -199,6 +212,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}]: expected an object with a role", "messages")
+        _check_message(i, m)
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -210,6 +224,22 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise APIError(400, f"messages[{i}].content: expected a string", "messages")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _check_message(i: int, m: dict[str, Any]) -> None:
+    role = m["role"]
+    if role in validation.CHAT_ROLES_NOT_SUPPORTED_YET:
+        raise APIError(400, f"messages[{i}].role: {role!r} is not supported yet", "messages")
+    if role not in validation.CHAT_ROLES:
+        roles = ", ".join(sorted(validation.CHAT_ROLES))
+        raise APIError(
+            400, f"messages[{i}].role: unknown role {role!r} (expected one of {roles})", "messages"
+        )
+    unknown = sorted(set(m) - validation.MESSAGE_FIELDS)
+    if unknown:
+        raise APIError(
+            400, f"messages[{i}]: unknown or unsupported field(s): {', '.join(unknown)}", "messages"
+        )
 
 
 def new_id(prefix: str) -> str:

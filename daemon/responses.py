@@ -7,8 +7,10 @@ from typing import Any
 
 from daemon.choices import Choice, LogprobEntry, chat_logprobs, completion_logprobs, merged
 from daemon.engine import Delta
+from daemon.errors import OPENAI_FINISH_REASONS
 from daemon.openai_protocol import GenerationRequest, new_id, now
 from daemon.openai_protocol import usage as openai_usage
+from daemon.token_bytes import TokenBytes
 
 
 class ResponseBuilder:
@@ -18,13 +20,14 @@ class ResponseBuilder:
         self.model_name = model_name
         self.tokenizer = tokenizer
 
+        self.token_bytes = TokenBytes(tokenizer)
+
     def decode(self, token_id: int) -> str:
-        tok = self.tokenizer
-        return tok.decode([token_id]) if tok is not None else str(token_id)
+        return self.token_bytes(token_id)[0]
 
     def logprobs(self, entries: list[LogprobEntry], chat: bool) -> dict[str, Any]:
         if chat:
-            return chat_logprobs(entries, self.decode)
+            return chat_logprobs(entries, self.token_bytes)
         return completion_logprobs(entries, self.decode)
 
     def full_body(self, req: GenerationRequest, choices: list[Choice], chat: bool) -> dict:
@@ -88,6 +91,11 @@ class ResponseBuilder:
         async for choice, delta in merged(choices, firsts):
             if delta is not firsts[choices.index(choice)]:
                 choice.add(delta)
+            if delta.finished and delta.finish_reason not in OPENAI_FINISH_REASONS:
+                # The request failed (or was ended by the server): an error event, which the
+                # caller follows with [DONE]; the openai client raises on it.
+                yield stream_error(f"generation failed: {delta.stop_reason}")
+                return
             if not delta.text and not delta.finished and not delta.logprobs:
                 continue
             logprobs = None
@@ -106,3 +114,8 @@ class ResponseBuilder:
             yield chunk([item])
         if req.include_usage:
             yield chunk([], usage=self.usage(choices))
+
+
+def stream_error(message: str, status: int = 500, kind: str = "server_error") -> dict[str, Any]:
+    """The payload of the SSE error event (vLLM's shape): {"error": {message, type, code}}."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

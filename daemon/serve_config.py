@@ -34,6 +34,20 @@ class ServerConfig:
         "competes with it (benchmarks/serve_load.py --spawn measures both)",
     )
     log_level: str = opt("info", "debug, info, warning or error")
+    log_prompts: bool = opt(False, "log prompt text (never logged otherwise)")
+    api_key: str | None = opt(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health (visible in ps: "
+        "prefer HEADRACE_API_KEY or --api-key-file)",
+    )
+    api_key_file: str | None = opt(None, "read the API key from the first line of this file")
+    metrics_unix_only: bool = opt(False, "serve /metrics on the Unix socket only")
+    max_request_bytes: int = opt(
+        8 << 20, "request bodies above this many bytes answer 413 before they are read"
+    )
+    stream_timeout: float = opt(
+        60.0, "end a stream whose client has taken no data for this many seconds"
+    )
 
 
 @dataclass(slots=True)

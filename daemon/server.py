@@ -22,10 +22,12 @@ import uvloop
 from aiohttp import web
 
 from daemon.api import APIServer
+from daemon.api_options import APIOptions
 from daemon.async_engine import AsyncEngine
+from daemon.auth import load_api_key
 from daemon.engine import Engine
 from daemon.metrics import Metrics
-from daemon.serve_config import ServeConfig
+from daemon.serve_config import ServeConfig, ServerConfig
 from daemon.systemd import Notifier, inherited_sockets
 from scheduling import SamplingParams
 
@@ -80,6 +82,16 @@ async def warm_up(engine: AsyncEngine) -> None:
         pass
 
 
+def api_options(server: ServerConfig) -> APIOptions:
+    return APIOptions(
+        max_request_bytes=server.max_request_bytes,
+        api_key=load_api_key(server.api_key, server.api_key_file),
+        metrics_unix_only=server.metrics_unix_only,
+        log_prompts=server.log_prompts,
+        stream_timeout=server.stream_timeout,
+    )
+
+
 async def serve(config: ServeConfig) -> int:
     notifier = Notifier()
     configure_logging(config.server.log_level, notifier.enabled)
@@ -96,7 +108,7 @@ async def serve(config: ServeConfig) -> int:
         async_engine.idle_timeout = notifier.watchdog_interval
     notifier.status("warming up")
     await warm_up(async_engine)
-    api = APIServer(async_engine, name, Metrics())
+    api = APIServer(async_engine, name, Metrics(), api_options(config.server))
     runner = web.AppRunner(
         api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
     )

@@ -14,6 +14,7 @@ import torch
 
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
+from runner.fault_isolation import sample_isolated
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
@@ -144,18 +145,56 @@ class ModelRunner:
             if start + n >= num_tokens:
                 first = offset + num_tokens - 1 - start
                 samplers.append((rid, drafts, range(first, offset + n)))
-        hidden = self._forward(so, input_ids, positions, fills)
-        for rid, n in so.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
-        if not samplers:
-            return RunnerOutput()
-        rows = [row for _, _, rs in samplers for row in rs]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        if on_device and self.device_tokens is not None:
-            ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
-            return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
-        result = sample(logits.cpu(), self._sampling_batch(samplers))
-        return self._collect(samplers, result.token_ids, result.logprobs)
+        try:
+            try:
+                hidden = self._forward(so, input_ids, positions, fills)
+            finally:
+                # Advanced even when the forward fails (its metadata holds the old values),
+                # so the counters stay where the scheduler already has them.
+                for rid, n in so.num_scheduled_tokens.items():
+                    self.requests[rid].num_computed_tokens += n
+            if not samplers:
+                return RunnerOutput()
+            rows = [row for _, _, rs in samplers for row in rs]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            if on_device and self.device_tokens is not None:
+                ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
+                return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
+            logits = logits.cpu()
+        except Exception:
+            self._after_forward_fault(samplers)
+            raise
+        return self._sample(samplers, logits)
+
+    def _after_forward_fault(self, samplers: list[tuple[str, list[int], range]]) -> None:
+        """Leave the runner consistent after a failed forward.
+
+        The engine ends the step's requests (their blocks are freed untrusted). Until their
+        ids come back as finished, the runner's copies look as if the step had run with no
+        draft accepted and a placeholder id sampled, so a step already scheduled behind
+        this one (the batch queue) still lines up and its other requests are unharmed.
+        """
+        for rid, drafts, _ in samplers:
+            req = self.requests[rid]
+            req.num_computed_tokens -= len(drafts)
+            req.token_ids.append(0)
+
+    def _sample(self, samplers: list[tuple[str, list[int], range]], logits: torch.Tensor):
+        """Sample every request's rows; a request whose own sampling raises fails alone."""
+        groups, offset = [], 0
+        for _, _, rs in samplers:
+            groups.append(range(offset, offset + len(rs)))
+            offset += len(rs)
+        result = sample_isolated(sample, logits, self._sampling_batch(samplers), groups)
+        out = self._collect(samplers, result.token_ids, result.logprobs)
+        for (rid, _, _), rows in zip(samplers, groups):
+            if rows.start in result.failed_rows:
+                # It ends when this step is processed. _collect left a placeholder id in the
+                # runner's copy, which keeps a step already scheduled after this one aligned.
+                out.failed[rid] = result.failed_rows[rows.start]
+                out.sampled_token_ids.pop(rid, None)
+                out.logprobs.pop(rid, None)
+        return out
 
     def _plain_greedy_step(self, so: SchedulerOutput) -> bool:
         return not so.scheduled_spec_decode_tokens and all(

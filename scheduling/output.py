@@ -88,6 +88,8 @@ class RunnerOutput:
     logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
     # Wall time of the step on the runner, which policies learn step costs from.
     duration_s: float = 0.0
+    # req_id -> why: requests whose own sampling raised; they end with an error, alone.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -290,7 +290,7 @@ def test_metrics_are_prometheus(daemon):
         "headrace_generation_tokens_total",
         "headrace_prefix_cache_hit_rate",
         "headrace_inter_token_latency_seconds_count",
-        "headrace_preemptions",
+        "headrace_preemptions_total",
     ):
         assert name in text
     log = daemon.log.read_text()

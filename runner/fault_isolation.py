@@ -1,0 +1,85 @@
+"""Per-request fault isolation for the sampling half of a step.
+
+A sampling batch mixes many requests. When the batched call raises, the fault usually
+belongs to one request (a parameter the validation missed, a logits processor, later its
+grammar), and ending every request of the step for it would let any client break everyone
+else's generation. So the batch is sampled again one request at a time: the rows whose
+own call still raises are the culprits and fail alone; the others get their tokens.
+
+Kept apart from runner/sampler.py, which several features edit (fast paths, rejection
+sampling, grammar bitmasks): whatever `sample` becomes, this wrapper stays the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.sampler import SampleResult, SamplingBatch
+
+log = logging.getLogger("headrace.runner")
+
+SampleFn = Callable[[torch.Tensor, SamplingBatch], SampleResult]
+
+
+@dataclass(slots=True)
+class IsolatedSample:
+    """Per row: the sampled id (0 where the row failed) and its logprobs; failed row -> why."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, float]] | None]
+    failed_rows: dict[int, str] = field(default_factory=dict)
+
+
+def sample_isolated(
+    sample_fn: SampleFn,
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    groups: list[range],
+) -> IsolatedSample:
+    """`sample_fn` over the whole batch; on an exception, again per group of rows.
+
+    `groups` are the row ranges of each request (a request with drafts owns several rows).
+    `logits` is modified in place by the sampler, so a pristine copy is kept for the retry.
+    The copy costs one [N, V] fp32 clone per step; a step raising is rare, a clone is cheap
+    next to the forward.
+    """
+    pristine = logits.clone()
+    # Seeded generators may have drawn before the fault: rewind them for the retry so a
+    # seeded request's tokens do not depend on a neighbour's failure.
+    states = [None if g is None else g.get_state() for g in batch.generators]
+    try:
+        result = sample_fn(logits, batch)
+        return IsolatedSample(result.token_ids, result.logprobs)
+    except Exception:
+        log.warning("batched sampling raised; sampling each request alone", exc_info=True)
+    for g, state in zip(batch.generators, states):
+        if g is not None and state is not None:
+            g.set_state(state)
+    out = IsolatedSample([0] * logits.shape[0], [None] * logits.shape[0])
+    for rows in groups:
+        try:
+            result = sample_fn(pristine[rows.start : rows.stop].clone(), _rows(batch, rows))
+        except Exception as e:  # any fault of this request ends it alone
+            for row in rows:
+                out.failed_rows[row] = f"sampling failed: {type(e).__name__}: {e}"
+            continue
+        out.token_ids[rows.start : rows.stop] = result.token_ids
+        out.logprobs[rows.start : rows.stop] = result.logprobs
+    return out
+
+
+def _rows(batch: SamplingBatch, rows: range) -> SamplingBatch:
+    """The sub-batch of the given rows (same per-row fields, sliced)."""
+    sl = slice(rows.start, rows.stop)
+    return SamplingBatch(
+        params=batch.params[sl],
+        token_ids=batch.token_ids[sl],
+        num_prompt_tokens=batch.num_prompt_tokens[sl],
+        generators=batch.generators[sl],
+        min_tokens_blocked=batch.min_tokens_blocked[sl],
+        bitmask=None if batch.bitmask is None else batch.bitmask[sl],
+    )

@@ -1,0 +1,109 @@
+"""The API in-process on a tiny random model with the embedded model's real tokenizer.
+
+The model is random (2 layers, width 64) but its vocabulary is SmolLM2's 49152 tokens and
+its directory holds SmolLM2's tokenizer and chat template, so every route (text prompts,
+chat, logprobs, /tokenize) works as on the real daemon, only much faster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from daemon.api import APIServer
+from daemon.api_options import APIOptions
+from daemon.async_engine import AsyncEngine
+from daemon.engine import Engine, LoadedModel
+from daemon.engine_config import EngineConfig
+from daemon.metrics import Metrics
+from runner.model_source import resolve_model
+from runner.tokenizer import load_tokenizer
+
+
+def build_tiny_model_dir(directory: Path) -> Path:
+    import transformers as tf
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tf.LlamaForCausalLM(cfg).float().eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def load_tiny(directory: Path) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+
+
+def make_engine(loaded: LoadedModel, **cfg: Any) -> Engine:
+    cfg.setdefault("threads", 1)
+    cfg.setdefault("block_size", 4)
+    cfg.setdefault("max_model_len", 256)
+    cfg.setdefault("kv_cache_memory", 4 << 20)
+    return Engine(EngineConfig(**cfg), loaded)
+
+
+@contextlib.asynccontextmanager
+async def api_client(
+    loaded: LoadedModel, options: APIOptions | None = None, **engine_cfg: Any
+) -> AsyncIterator[tuple[TestClient, APIServer]]:
+    """An aiohttp test client on a fresh engine; on exit, asserts nothing leaked."""
+    engine = AsyncEngine(make_engine(loaded, **engine_cfg), overlap=False)
+    api = APIServer(engine, "tiny", Metrics(), options)
+    client = TestClient(TestServer(api.app()))
+    await client.start_server()
+    try:
+        yield client, api
+    finally:
+        await client.close()
+        await wait_idle(engine)
+        await engine.stop()
+    assert_pool_empty(engine)
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
+    """Until no request is in flight or in the scheduler (aborts land at the next step)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.engine.has_unfinished_requests() or engine.num_in_flight_requests:
+        if loop.time() > deadline:
+            raise AssertionError(
+                f"stuck: {len(engine.engine.scheduler.requests)} requests in the scheduler, "
+                f"{engine.num_in_flight_requests} streams in flight"
+            )
+        await asyncio.sleep(0.02)
+
+
+def assert_pool_empty(engine: AsyncEngine) -> None:
+    kv = engine.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} leaked"
+    assert not engine.engine.scheduler.requests
+    assert not engine.engine._detokenizers
+
+
+def rss_mb() -> float:
+    """Current resident set size in MiB (from /proc; ru_maxrss is only the peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
