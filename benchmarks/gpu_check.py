@@ -308,8 +308,35 @@ def check_speed(name: str, shape: dict, device: torch.device, batches: list[int]
                   f"{name}_b{batch}_graphs_vs_eager": figures[True] / figures[False],
                   f"{name}_b{batch}_tok_s": figures[True]})  # fmt: skip
     del hf
+    overlap_gain(name, loaded, batches[len(batches) // 2], prompt_len, n_tokens)
     if device.type == "cuda":
         launch_overhead(name, loaded, prompt_len)
+
+
+def overlap_gain(name: str, loaded: LoadedModel, batch: int, prompt_len: int, n_tokens: int):
+    """End-to-end tokens/s through AsyncEngine with the batch queue (overlap) on and off."""
+    import asyncio
+
+    from daemon.async_engine import AsyncEngine
+
+    params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    prompts = random_prompts(batch, prompt_len, loaded.config.vocab_size, seed=2)
+
+    async def run(overlap: bool) -> float:
+        eng = AsyncEngine(engine(loaded, max_num_seqs=batch), overlap=overlap)
+
+        async def one(p: list[int]) -> int:
+            return sum([len(d.token_ids) async for d in eng.generate(p, params)])
+
+        t = time.perf_counter()
+        total = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        rate = total / (time.perf_counter() - t)
+        await eng.stop()
+        return rate
+
+    on, off = asyncio.run(run(True)), asyncio.run(run(False))
+    print(f"{name} batch {batch} through AsyncEngine: overlap on {on:.0f} tok/s, off {off:.0f}")
+    result(**{f"{name}_b{batch}_overlap_gain": on / off})
 
 
 def launch_overhead(name: str, loaded: LoadedModel, prompt_len: int) -> None:
