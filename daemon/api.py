@@ -24,6 +24,17 @@ from daemon.openai_protocol import (
     parse_request,
 )
 from daemon.responses import ResponseBuilder
+from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
+from daemon.tool_parsers import ToolParser, load_tool_parser
+from daemon.tools import (
+    ToolRequest,
+    parse_tools,
+    prepare_chat,
+    rewrite_message,
+    stream_tool_calls,
+    template_renders_tools,
+)
+from grammars import GrammarSpec
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.api")
@@ -52,13 +63,19 @@ async def errors(request: web.Request, handler: Callable[[web.Request], Awaitabl
 class APIServer:
     """Handlers over one AsyncEngine. `draining` makes new generation requests answer 503."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, metrics: Metrics, tool_parser: str = "hermes"
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.draining = False
         self.created = now()
         self.responses = ResponseBuilder(model_name, engine.engine.tokenizer)
+        tokenizer = engine.engine.tokenizer
+        # Tool calls: whether the chat template shows tools, and how "auto" reads calls.
+        self.renders_tools = tokenizer is not None and template_renders_tools(tokenizer)
+        self.tool_parser: ToolParser = load_tool_parser(tool_parser)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors], client_max_size=16 << 20)
@@ -118,12 +135,24 @@ class APIServer:
                 "model",
                 kind="not_found_error",
             )
-        prompts = [self._chat_prompt(body)] if chat else req.prompts
-        choices = self._add(req, prompts)
+        constraint = parse_constraint(body)
+        tools = parse_tools(body) if chat else None
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise APIError(
+                    400, f"tool_choice, {constraint.param}: only one output constraint per request"
+                )
+            constraint = tools.constraint
+        prompts = [self._chat_prompt(body, tools)] if chat else req.prompts
+        choices = self._add(req, prompts, constraint.spec if constraint else None)
+        headers = _warning_headers(constraint)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
             for choice, first in zip(choices, firsts):
                 choice.add(first)
+                if first.bad_request is not None:
+                    param = constraint.param if constraint else None
+                    raise APIError(400, f"{param}: {first.bad_request}", param)
                 if first.finish_reason == "rejected":
                     raise APIError(
                         503,
@@ -132,7 +161,7 @@ class APIServer:
                         headers={"Retry-After": RETRY_AFTER_S},
                     )
             if req.stream:
-                return await self._stream(request, req, choices, firsts, chat)
+                return await self._stream(request, req, choices, firsts, chat, tools, headers)
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
             failed = [c for c in choices if c.finish_reason == "error"]
@@ -140,22 +169,32 @@ class APIServer:
                 raise APIError(
                     500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
                 )
-            return json_response(self.responses.full_body(req, choices, chat))
+            out = self.responses.full_body(req, choices, chat)
+            if tools is not None:
+                for item in out["choices"]:
+                    rewrite_message(item, tools, self.tool_parser)
+            return json_response(out, headers=headers)
         finally:
             for choice in choices:
                 choice.stream.close()
                 self._observe(choice)
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+    def _chat_prompt(self, body: dict[str, Any], tools: ToolRequest | None) -> list[int]:
         tokenizer = self.engine.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template", "messages")
+        messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
         text = tokenizer.apply_chat_template(
-            parse_messages(body), add_generation_prompt=True, tokenize=False
+            messages, tools=template_tools, add_generation_prompt=True, tokenize=False
         )
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _add(self, req: GenerationRequest, prompts: list[str | list[int]]) -> list[Choice]:
+    def _add(
+        self,
+        req: GenerationRequest,
+        prompts: list[str | list[int]],
+        grammar: GrammarSpec | None = None,
+    ) -> list[Choice]:
         engine = self.engine.engine
         max_len = engine.scheduler.max_model_len
         choices: list[Choice] = []
@@ -182,6 +221,7 @@ class APIServer:
                         priority=req.priority,
                         slo=req.slo,
                         cache_salt=req.cache_salt,
+                        grammar=grammar,
                     )
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
         except QueueFullError as e:
@@ -212,13 +252,22 @@ class APIServer:
         choices: list[Choice],
         firsts: list[Delta],
         chat: bool,
+        tools: ToolRequest | None = None,
+        headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **(headers or {}),
+            }
         )
         await resp.prepare(request)
+        events = self.responses.events(req, choices, firsts, chat)
+        if tools is not None:
+            events = stream_tool_calls(events, tools, self.tool_parser)
         try:
-            async for payload in self.responses.events(req, choices, firsts, chat):
+            async for payload in events:
                 await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -249,3 +298,10 @@ class APIServer:
             elapsed * 1000,
             reason,
         )
+
+
+def _warning_headers(constraint: Constraint | None) -> dict[str, str] | None:
+    """strict: false dropped schema keywords: say which, in one response header."""
+    if constraint is None or not constraint.warnings:
+        return None
+    return {WARNING_HEADER: "; ".join(constraint.warnings)}

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from grammars import GrammarCompiler, GrammarError, GrammarSpec
+from grammars import CompileStats, GrammarCompiler, GrammarError, GrammarSpec
 from scheduling import Request, RequestStatus
 
 
@@ -41,6 +41,11 @@ class GrammarRequests:
                 self._tokenizer, self._vocab_size, self._stop_token_ids
             )
         return self._compiler
+
+    @property
+    def stats(self) -> CompileStats | None:
+        """The compiler's counters, or None before the first constrained request."""
+        return None if self._compiler is None else self._compiler.stats
 
     def submit(self, req: Request, spec: GrammarSpec) -> None:
         """Start compiling `req`'s grammar; `req` must be in WAITING_FOR_GRAMMAR."""

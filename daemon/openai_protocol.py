@@ -72,9 +72,7 @@ def _name(types: type | tuple[type, ...]) -> str:
 
 _UNSUPPORTED = {
     "suffix": "suffix is not supported",
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "response_format": "response_format arrives with structured output (grammars)",
+    "functions": "the legacy functions field is not supported; send tools",
 }
 
 
@@ -103,6 +101,8 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
     for key, why in _UNSUPPORTED.items():
         if body.get(key) not in (None, [], {}):
             raise APIError(400, f"{key}: {why}", key)
+    if not chat and body.get("tools") not in (None, []):
+        raise APIError(400, "tools: only /v1/chat/completions takes tools", "tools")
     if chat:
         prompts: list[str | list[int]] = []  # filled by the server from the chat template
         max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int)
@@ -191,15 +191,19 @@ def _parse_prompt(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat messages as the template takes them; tool calls and results pass through."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: expected a non-empty array", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}]: expected an object with a role", "messages")
+        extra = _tool_fields(m, i)
         content = m.get("content")
+        if content is None and "tool_calls" in extra:
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise APIError(
@@ -208,8 +212,33 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content: expected a string", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **extra})
     return out
+
+
+def _tool_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's `tool_calls` or a tool result's `tool_call_id`, checked."""
+    extra: dict[str, Any] = {}
+    calls = m.get("tool_calls")
+    if calls not in (None, []):
+        ok = m["role"] == "assistant" and isinstance(calls, list)
+        for call in calls if ok else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            ok = ok and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            ok = ok and isinstance(fn.get("arguments", "{}"), str)
+        if not ok:
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls: expected an assistant's array of "
+                "{id, type: function, function: {name, arguments (JSON string)}}",
+                "messages",
+            )
+        extra["tool_calls"] = calls
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise APIError(400, f"messages[{i}].tool_call_id: expected a string", "messages")
+        extra["tool_call_id"] = m["tool_call_id"]
+    return extra
 
 
 def new_id(prefix: str) -> str:
