@@ -14,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from daemon.openai_protocol import APIError
-from grammars import GrammarError, GrammarSpec, check_schema
+from grammars import GrammarError, GrammarSpec
 
 WARNING_HEADER = "X-Headrace-Warning"
 
@@ -33,19 +31,12 @@ class Constraint:
 
 def schema_spec(schema: Any, strict: bool, param: str) -> Constraint:
     """A json_schema constraint after the strict rule (see grammars/schema_support.py)."""
-    if isinstance(schema, str):
-        try:
-            schema = orjson.loads(schema)
-        except orjson.JSONDecodeError as e:
-            raise APIError(400, f"{param}: invalid JSON: {e}", param) from None
-    if not isinstance(schema, dict):
-        raise APIError(400, f"{param}: expected a JSON Schema object", param)
     try:
-        checked, dropped = check_schema(schema, strict)
-    except ValueError as e:
+        spec, dropped = GrammarSpec.checked_json_schema(schema, strict)
+    except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param) from None
     warnings = [f"{param}: not enforced, dropped: {where}" for where in dropped]
-    return Constraint(GrammarSpec.json_schema(checked), param, warnings)
+    return Constraint(spec, param, warnings)
 
 
 def parse_constraint(body: dict[str, Any]) -> Constraint | None:

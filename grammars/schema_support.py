@@ -30,7 +30,6 @@ ENFORCED_FORMATS = frozenset(
     {
         "email",
         "date",
-        "date-time",
         "time",
         "duration",
         "uri",
@@ -44,6 +43,22 @@ ENFORCED_FORMATS = frozenset(
         "relative-json-pointer",
     }
 )
+
+# Formats the compiler enforces too loosely (it accepts 2023-02-31 and 1.02.3.4): they are
+# compiled as these exact patterns instead. (date-time has the same date problem and is
+# treated as not enforced.)
+_YEAR = "[0-9]{4}"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {
+    "date": (
+        f"^({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+        f"|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        f"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])"
+        f"|{_LEAP}-02-29)$"
+    ),
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+}
 
 # Keywords whose value is one subschema / a map of subschemas / a list of subschemas.
 _SUB_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties",
@@ -64,6 +79,10 @@ def unenforced(schema: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "allOf with more than one subschema is not enforced"
     if "oneOf" in schema:
         return "oneOf", "oneOf exclusivity is not enforced (use anyOf)"
+    if ("pattern" in schema or "format" in schema) and (
+        "minLength" in schema or "maxLength" in schema
+    ):
+        return "maxLength", "string lengths are not enforced together with pattern or format"
     if "multipleOf" in schema and not _integer_multiple_enforced(schema):
         return "multipleOf", "multipleOf is enforced only on integers with both or no bounds"
     return None
@@ -94,6 +113,8 @@ def check_schema(schema: Any, strict: bool) -> tuple[Any, list[str]]:
 def _walk(node: Any, path: str, strict: bool, dropped: list[str]) -> None:
     if not isinstance(node, dict):
         return
+    if node.get("format") in FORMAT_PATTERNS and "pattern" not in node:
+        node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
     while (found := unenforced(node)) is not None:
         keyword, why = found
         where = f"{path}/{keyword}"
@@ -104,6 +125,9 @@ def _walk(node: Any, path: str, strict: bool, dropped: list[str]) -> None:
         dropped.append(where)
         if keyword == "oneOf":
             node["anyOf"] = node.pop("oneOf")
+        elif keyword == "maxLength":
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
         elif keyword == "allOf":
             # Keep the first branch: it is enforced; the others are what gets dropped.
             node["allOf"] = node["allOf"][:1]

@@ -8,6 +8,8 @@ from typing import Literal
 
 import orjson
 
+from grammars.schema_support import check_schema
+
 GrammarKind = Literal["json", "json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[GrammarKind, ...] = ("json", "json_schema", "regex", "choice", "grammar")
 
@@ -32,14 +34,27 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: object) -> GrammarSpec:
+        """A strict JSON-schema constraint: GrammarError names any keyword not enforced."""
+        return cls.checked_json_schema(schema, strict=True)[0]
+
+    @classmethod
+    def checked_json_schema(cls, schema: object, strict: bool) -> tuple[GrammarSpec, list[str]]:
+        """The constraint and the unenforced keywords dropped from it (only when not strict).
+
+        See grammars/schema_support.py for the keywords and the loose formats rewritten.
+        """
         if isinstance(schema, str):
             try:
                 schema = orjson.loads(schema)
             except orjson.JSONDecodeError as e:
                 raise GrammarError(f"schema: invalid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
+        if not isinstance(schema, dict):
             raise GrammarError("schema: expected a JSON object")
-        return cls("json_schema", orjson.dumps(schema).decode())
+        try:
+            checked, dropped = check_schema(schema, strict)
+        except ValueError as e:
+            raise GrammarError(f"schema: {e}") from None
+        return cls("json_schema", orjson.dumps(checked).decode()), dropped
 
     @classmethod
     def choice(cls, choices: object) -> GrammarSpec:
