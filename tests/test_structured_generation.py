@@ -26,7 +26,7 @@ from scheduling import RequestStatus, SamplingParams
 
 SEEDS = (1, 2, 3)
 MAX_TOKENS = 120
-PLAIN = ["What is the capital of France?", "List three colours.", "Hi", "Name a fruit."]
+PLAIN = ["What is the capital of France?", "Name a fruit."]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def batch(smollm):
             params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=seed))
             grammars.append(spec)
             keys.append((spec.kind, what))
-    greedy = SamplingParams(max_tokens=12, temperature=0)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
     for text in PLAIN:
         prompts.append(chat_ids(smollm, text))
         params.append(greedy)
@@ -159,21 +159,21 @@ async def _run_async(engine, prompts, params, grammars) -> list[list[int]]:
         await engine.stop()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-async def test_constrained_greedy_same_with_overlap_and_preemption(smollm, overlap):
-    specs = [GrammarSpec.json_schema(s) for s in SCHEMAS[:4]]
+async def test_constrained_greedy_same_with_overlap_and_preemption(smollm):
+    specs = [GrammarSpec.json_schema(s) for s in (SCHEMAS[0], SCHEMAS[12])]
     specs += [GrammarSpec("regex", REGEXES[0]), GrammarSpec("grammar", SQL)]
     prompts = [chat_ids(smollm, "Reply in JSON."), *(chat_ids(smollm, "Go.") for _ in specs[1:])]
     params = SamplingParams(max_tokens=40, temperature=0)
     reference = engine_for(smollm, kv_cache_memory=64 << 20).generate(prompts, params, specs)
+    assert all(c.finish_reason == "stop" for c in reference), [c.text for c in reference]
     per_block = kv_bytes_per_block(smollm.config, 16, torch.float32)
-    # Room for about 2.5 requests: the others are preempted and recomputed.
-    engine = AsyncEngine(
-        engine_for(smollm, kv_cache_memory=9 * per_block, max_num_batched_tokens=64), overlap
-    )
-    got = await _run_async(engine, prompts, params, specs)
-    assert engine.engine.scheduler.num_preemptions > 0
-    assert got == [c.token_ids for c in reference]
-    assert all(c.finish_reason == "stop" for c in reference)
-    kv = engine.engine.kv
-    assert kv.num_free_blocks == kv.num_blocks
+    for overlap in (True, False):
+        # Room for about two requests: the others are preempted and recomputed.
+        engine = AsyncEngine(
+            engine_for(smollm, kv_cache_memory=8 * per_block, max_num_batched_tokens=128), overlap
+        )
+        got = await _run_async(engine, prompts, params, specs)
+        assert engine.engine.scheduler.num_preemptions > 0, overlap
+        assert got == [c.token_ids for c in reference], overlap
+        kv = engine.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks
