@@ -22,9 +22,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
     logits: fp32 [N, V] on the CPU; bitmask: int32 [len(rows), ceil(V / 32)].
     """
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask, vocab_size=logits.shape[-1], indices=list(rows)
-    )
+    vocab = logits.shape[-1]
+    rows = list(rows)
+    if rows == list(range(logits.shape[0])):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+        return
+    # NOTE: xgrammar's `indices` index the mask and the logits alike; ours are dense.
+    index = torch.tensor(rows, dtype=torch.long)
+    picked = logits.index_select(0, index)  # [M, V]
+    xgr.apply_token_bitmask_inplace(picked, bitmask, vocab_size=vocab)
+    logits.index_copy_(0, index, picked)
 
 
 class GrammarState:

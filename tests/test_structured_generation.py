@@ -56,14 +56,8 @@ def constrained_cases() -> list[tuple[str, GrammarSpec, object]]:
 def batch(smollm):
     """Run everything as one batch; results by kind."""
     engine = engine_for(smollm, kv_cache_memory=768 << 20, max_num_seqs=256, max_waiting=0)
-    cases = constrained_cases()
     prompts, params, grammars, keys = [], [], [], []
-    for prompt, spec, what in cases:
-        for seed in SEEDS:
-            prompts.append(chat_ids(smollm, prompt))
-            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=seed))
-            grammars.append(spec)
-            keys.append((spec.kind, what))
+    # Unconstrained rows first and in between: the mask rows are not the batch rows.
     greedy = SamplingParams(max_tokens=8, temperature=0)
     for text in PLAIN:
         prompts.append(chat_ids(smollm, text))
@@ -74,6 +68,12 @@ def batch(smollm):
     params.append(greedy)
     grammars.append(GrammarSpec("regex", "(a|"))
     keys.append(("broken", None))
+    for prompt, spec, what in constrained_cases():
+        for seed in SEEDS:
+            prompts.append(chat_ids(smollm, prompt))
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=seed))
+            grammars.append(spec)
+            keys.append((spec.kind, what))
     results = engine.generate(prompts, params, grammars)
     alone = engine.generate([chat_ids(smollm, t) for t in PLAIN], greedy)
     return engine, list(zip(keys, results)), alone
