@@ -35,6 +35,17 @@ from daemon.overload import CapacityEstimate
 from daemon.responses import ResponseBuilder
 from daemon.tokenizing import Tokenizing
 from daemon.validation import ValidationError, choice_seed
+from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
+from daemon.tool_parsers import ToolParser, load_tool_parser
+from daemon.tools import (
+    ToolRequest,
+    parse_tools,
+    prepare_chat,
+    rewrite_message,
+    stream_tool_calls,
+    template_renders_tools,
+)
+from grammars import GrammarSpec
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.api")
@@ -61,6 +72,10 @@ class APIServer:
         self.tokenizing = Tokenizing(engine.engine.tokenizer, options.offload_chars)
         engine.max_pending_deltas = options.max_pending_deltas
         self.capacity = CapacityEstimate()
+        tokenizer = engine.engine.tokenizer
+        # Tool calls: whether the chat template shows tools, and how "auto" reads calls.
+        self.renders_tools = tokenizer is not None and template_renders_tools(tokenizer)
+        self.tool_parser: ToolParser = load_tool_parser(options.tool_parser)
 
     def app(self) -> web.Application:
         opts = self.options
@@ -137,17 +152,30 @@ class APIServer:
                 "model",
                 kind="not_found_error",
             )
+        constraint = parse_constraint(body)
+        tools = parse_tools(body) if chat else None
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise APIError(
+                    400, f"tool_choice, {constraint.param}: only one output constraint per request"
+                )
+            constraint = tools.constraint
         if chat:
-            prompts: list[list[int]] = [await self.tokenizing.chat(parse_messages(body))]
+            messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
+            prompts: list[list[int]] = [await self.tokenizing.chat(messages, template_tools)]
         else:
             prompts = [await self.tokenizing.prompt_ids(p) for p in req.prompts]
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
-        choices = self._add(req, prompts)
+        choices = self._add(req, prompts, constraint.spec if constraint else None)
+        headers = _warning_headers(constraint)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
             for choice, first in zip(choices, firsts):
                 choice.add(first)
+                if first.bad_request is not None:
+                    param = constraint.param if constraint else None
+                    raise APIError(400, f"{param}: {first.bad_request}", param)
                 if first.finish_reason == "rejected":
                     raise APIError(
                         503,
@@ -161,7 +189,7 @@ class APIServer:
                         500, f"generation failed: {first.stop_reason}", kind="server_error"
                     )
             if req.stream:
-                return await self._stream(request, req, choices, firsts, chat)
+                return await self._stream(request, req, choices, firsts, chat, tools, headers)
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
             failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
@@ -169,13 +197,22 @@ class APIServer:
                 raise APIError(
                     500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
                 )
-            return json_response(self.responses.full_body(req, choices, chat))
+            out = self.responses.full_body(req, choices, chat)
+            if tools is not None:
+                for item in out["choices"]:
+                    rewrite_message(item, tools, self.tool_parser)
+            return json_response(out, headers=headers)
         finally:
             for choice in choices:
                 choice.stream.close()
                 self._observe(choice)
 
-    def _add(self, req: GenerationRequest, prompts: list[list[int]]) -> list[Choice]:
+    def _add(
+        self,
+        req: GenerationRequest,
+        prompts: list[list[int]],
+        grammar: GrammarSpec | None = None,
+    ) -> list[Choice]:
         engine = self.engine.engine
         max_len = engine.scheduler.max_model_len
         max_waiting = engine.scheduler.config.max_waiting
@@ -209,6 +246,7 @@ class APIServer:
                         priority=req.priority,
                         slo=req.slo,
                         cache_salt=req.cache_salt,
+                        grammar=grammar,
                     )
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
         except QueueFullError as e:
@@ -245,14 +283,23 @@ class APIServer:
         choices: list[Choice],
         firsts: list[Delta],
         chat: bool,
+        tools: ToolRequest | None = None,
+        headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **(headers or {}),
+            }
         )
         await resp.prepare(request)
         timeout = self.options.stream_timeout
+        events = self.responses.events(req, choices, firsts, chat)
+        if tools is not None:
+            events = stream_tool_calls(events, tools, self.tool_parser)
         try:
-            async for payload in self.responses.events(req, choices, firsts, chat):
+            async for payload in events:
                 # A client that stops reading blocks this write once the socket buffer is
                 # full; past the timeout the stream ends and its request is aborted.
                 await asyncio.wait_for(
@@ -292,3 +339,10 @@ class APIServer:
             elapsed * 1000,
             reason,
         )
+
+
+def _warning_headers(constraint: Constraint | None) -> dict[str, str] | None:
+    """strict: false dropped schema keywords: say which, in one response header."""
+    if constraint is None or not constraint.warnings:
+        return None
+    return {WARNING_HEADER: "; ".join(constraint.warnings)}

@@ -24,3 +24,5 @@ class APIOptions:
     # Prompts (or chat messages) longer than this many characters are tokenized on a
     # worker thread, so the event loop keeps serving meanwhile.
     offload_chars: int = 4096
+    # The `headrace.tool_parsers` entry that reads tool calls out of "auto" answers.
+    tool_parser: str = "hermes"

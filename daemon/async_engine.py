@@ -144,7 +144,7 @@ class AsyncEngine:
             if self.on_iteration is not None:
                 self.on_iteration()
             if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
-                so = self.engine.scheduler.schedule()
+                so = self.engine.schedule()
                 if not so.is_empty:
                     in_flight.append(
                         (so, loop.run_in_executor(self._executor, self._launcher(), so))
@@ -175,7 +175,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 # Idle: the ids that finished in the last step would otherwise wait for the
                 # next one. Scheduler state stays on this thread, runner state on its own.
-                so = self.engine.scheduler.schedule()
+                so = self.engine.schedule()
                 if so.finished_req_ids or so.preempted_req_ids:
                     await loop.run_in_executor(self._executor, self.engine.execute, so)
                 if self.num_steps != self._checked_at_step:

@@ -19,6 +19,8 @@ import torch
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from daemon.validation import check_vocab
+from daemon.grammar_requests import GrammarRequests
+from grammars import GrammarSpec
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
 from runner.device_queue import PendingOutput
@@ -58,6 +60,9 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Set when the request was bad in a way found only inside the engine (its grammar does
+    # not compile): the API answers 400 with this message.
+    bad_request: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +79,8 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Why a constrained request could not start (its grammar did not compile).
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -152,6 +159,12 @@ class Engine:
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # Deltas made outside a step (a grammar that failed), handed out with the next one.
+        self._pending: list[Delta] = []
+        # Compiles grammars off this thread; constrained requests wait for them here.
+        self.grammars = GrammarRequests(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         log.info(
             "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads",
             self.model_name,
@@ -221,8 +234,12 @@ class Engine:
         priority: int = 0,
         slo: SLO | None = None,
         cache_salt: str | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> str:
+        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled."""
         params = params or SamplingParams()
+        if grammar is not None and params.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured output")
         prompt_ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
@@ -239,7 +256,11 @@ class Engine:
             slo=slo,
             cache_salt=cache_salt,
         )
+        if grammar is not None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(req)
+        if grammar is not None:
+            self.grammars.submit(req, grammar)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         return request_id
 
@@ -253,8 +274,19 @@ class Engine:
 
     # -- one step: schedule (loop thread) -> execute (runner thread) -> process (loop) ----
 
+    def schedule(self) -> SchedulerOutput:
+        """Release requests whose grammar is ready (or failed), then schedule a step."""
+        for req, error in self.grammars.poll():
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            self._detokenizers.pop(req.request_id, None)
+            self._pending.append(
+                Delta(req.request_id, "", [], "error", error, bad_request=error,
+                      prompt_tokens=req.num_prompt_tokens)
+            )  # fmt: skip
+        return self.scheduler.schedule()
+
     def step(self) -> list[Delta]:
-        so = self.scheduler.schedule()
+        so = self.schedule()
         return self.process(so, self.execute(so))
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -273,7 +305,8 @@ class Engine:
         """Apply a step's results: advance requests, detokenize, end those that hit a stop."""
         if not so.is_empty:
             self.scheduler.observe_step(StepStats(so.shape, ro.duration_s))
-        deltas = self._fail_requests(ro.failed)
+        deltas, self._pending = self._pending, []
+        deltas += self._fail_requests(ro.failed)
         for out in self.scheduler.update(so, ro):
             deltas.append(self._delta_isolated(out))
         return deltas
@@ -305,7 +338,7 @@ class Engine:
         Those ids normally ride on the next SchedulerOutput; with no next step they would
         linger. Call only while no step is in flight (it runs on the caller's thread).
         """
-        so = self.scheduler.schedule()
+        so = self.schedule()
         assert so.is_empty, "release_finished called with runnable requests"
         self.runner.execute(so)
 
@@ -359,10 +392,21 @@ class Engine:
     # -- scripts -------------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        grammars: Sequence[GrammarSpec | None] | None = None,
     ) -> list[Completion]:
-        """Run `prompts` to completion together; results in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
+        """Run `prompts` to completion together; results in prompt order.
+
+        `params` and `grammars` may be one per prompt.
+        """
+        per_params = params if isinstance(params, Sequence) else [params] * len(prompts)
+        per_grammar = grammars if grammars is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, sp, grammar=g)
+            for p, sp, g in zip(prompts, per_params, per_grammar, strict=True)
+        ]
         results = {rid: Completion(rid) for rid in ids}
         while self.has_unfinished_requests():
             for d in self.step():
@@ -373,6 +417,7 @@ class Engine:
                 c.token_ids += d.token_ids
                 if d.finished:
                     c.finish_reason = d.finish_reason
+                    c.error = d.bad_request
                     c.prompt_tokens, c.cached_tokens = d.prompt_tokens, d.cached_tokens
         self.release_finished()
         return [results[rid] for rid in ids]

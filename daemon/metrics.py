@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine import Engine
 
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -70,6 +71,24 @@ class Metrics:
             "headrace_requests_finished", "Finished requests", ["finish_reason"], registry=r
         )
 
+        self.grammar_compile = Histogram(
+            "headrace_grammar_compile_seconds",
+            "Time to compile one grammar (cache misses only)",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.grammar_hits = Counter(
+            "headrace_grammar_cache_hits", "Grammar compile cache hits since start", registry=r
+        )
+        self.grammar_misses = Counter(
+            "headrace_grammar_cache_misses", "Grammar compile cache misses since start", registry=r
+        )
+        self.constrained = Counter(
+            "headrace_constrained_requests",
+            "Requests with structured output or a forced tool call, since start",
+            registry=r,
+        )
+
     def render(self, engine: Engine) -> bytes:
         sched, kv = engine.scheduler, engine.kv
         self.running.set(len(sched.running))
@@ -78,6 +97,13 @@ class Metrics:
         self.prefix_hit_rate.set(kv.prefix_stats.hit_rate)
         _advance(self.prefix_queries, kv.prefix_stats.queries)
         _advance(self.preemptions, sched.num_preemptions)
+        _advance(self.constrained, engine.grammars.num_requests)
+        stats = engine.grammars.stats
+        if stats is not None:
+            for seconds in stats.drain_compile_seconds():
+                self.grammar_compile.observe(seconds)
+            _advance(self.grammar_hits, stats.hits)
+            _advance(self.grammar_misses, stats.misses)
         return generate_latest(self.registry)
 
 

@@ -102,6 +102,8 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
 
 def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     validation.check_fields(body, "chat" if chat else "completions")
+    if not chat and body.get("tools") not in (None, []):
+        raise APIError(400, "tools: only /v1/chat/completions takes tools", "tools")
     if chat:
         prompts: list[str | list[int]] = []  # filled by the server from the chat template
         max_tokens = _get(body, "max_completion_tokens", int)
@@ -204,16 +206,20 @@ def _parse_prompt(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat messages as the template takes them; tool calls and results pass through."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: expected a non-empty array", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}]: expected an object with a role", "messages")
         _check_message(i, m)
+        extra = _tool_fields(m, i)
         content = m.get("content")
+        if content is None and "tool_calls" in extra:
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise APIError(
@@ -222,14 +228,14 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content: expected a string", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **extra})
     return out
 
 
 def _check_message(i: int, m: dict[str, Any]) -> None:
     role = m["role"]
-    if role in validation.CHAT_ROLES_NOT_SUPPORTED_YET:
-        raise APIError(400, f"messages[{i}].role: {role!r} is not supported yet", "messages")
+    if role in validation.CHAT_ROLES_NOT_SUPPORTED:
+        raise APIError(400, f"messages[{i}].role: {role!r} is not supported", "messages")
     if role not in validation.CHAT_ROLES:
         roles = ", ".join(sorted(validation.CHAT_ROLES))
         raise APIError(
@@ -240,6 +246,31 @@ def _check_message(i: int, m: dict[str, Any]) -> None:
         raise APIError(
             400, f"messages[{i}]: unknown or unsupported field(s): {', '.join(unknown)}", "messages"
         )
+
+
+def _tool_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's `tool_calls` or a tool result's `tool_call_id`, checked."""
+    extra: dict[str, Any] = {}
+    calls = m.get("tool_calls")
+    if calls not in (None, []):
+        ok = m["role"] == "assistant" and isinstance(calls, list)
+        for call in calls if ok else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            ok = ok and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            ok = ok and isinstance(fn.get("arguments", "{}"), str)
+        if not ok:
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls: expected an assistant's array of "
+                "{id, type: function, function: {name, arguments (JSON string)}}",
+                "messages",
+            )
+        extra["tool_calls"] = calls
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise APIError(400, f"messages[{i}].tool_call_id: expected a string", "messages")
+        extra["tool_call_id"] = m["tool_call_id"]
+    return extra
 
 
 def new_id(prefix: str) -> str:

@@ -53,15 +53,20 @@ class Tokenizing:
             return await self.encode(prompt)
         return [int(t) for t in prompt]
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template applied, then encoded without adding special tokens again."""
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template applied (with the tools it should show), then encoded without
+        adding special tokens again."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template", "messages")
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(len(m.get("content") or "") for m in messages)
 
         def render() -> list[int]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
             return list(tok.encode(text, add_special_tokens=False))
 
         return await self._run(size, render)

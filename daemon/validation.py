@@ -6,9 +6,8 @@ does), so a misspelt `max_token` is never silently ignored. The lists are built 
 - the OpenAI fields of the endpoint that headrace implements;
 - `VLLM_EXTRA_FIELDS`: vLLM's sampling extras that headrace implements the same way, plus
   headrace's own `slo` and `cache_salt`;
-- `NOT_SUPPORTED_YET`: fields that are known and planned (structured output and tools).
-  They answer 400 "not supported yet" unless their value is the default no-op (for example
-  `response_format: {"type": "text"}`). The structured-output work removes entries here.
+- `STRUCTURED_FIELDS` and `TOOL_FIELDS`: structured output (OpenAI's and vLLM's names) and
+  tool calls, checked in detail by daemon/structured_output.py and daemon/tools.py;
 - `NOT_SUPPORTED`: fields that are known but not planned; 400 unless the no-op value.
 """
 
@@ -66,22 +65,18 @@ def _is_empty(value: Any) -> bool:
     return value in (None, [], {})
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
-# Known and coming with structured output: 400 "not supported yet" unless the no-op value.
-# NOTE: the structured-output change deletes its fields from this dict, nothing else.
-NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
-    "response_format": _text_format,
-    "guided_json": _is_none,
-    "guided_regex": _is_none,
-    "guided_choice": _is_none,
-    "guided_grammar": _is_none,
-    "structured_outputs": _is_none,
-    "tools": _is_empty,
-    "tool_choice": lambda v: v in (None, "none"),
-}
+# Structured output (grammars/) and tool calls (daemon/tools.py).
+STRUCTURED_FIELDS = frozenset(
+    {
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    }
+)
+TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 
 # Known, not planned: 400 unless the no-op value.
 NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -95,17 +90,14 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 COMPLETION_FIELDS = frozenset(
-    COMMON_FIELDS
-    | VLLM_EXTRA_FIELDS
-    | {"prompt", "echo", "best_of", "suffix"}
-    | {k for k in NOT_SUPPORTED_YET if k.startswith(("guided_", "structured_"))}
-    | {"response_format"}
+    COMMON_FIELDS | VLLM_EXTRA_FIELDS | {"prompt", "echo", "best_of", "suffix"} | STRUCTURED_FIELDS
 )
 CHAT_FIELDS = frozenset(
     COMMON_FIELDS
     | VLLM_EXTRA_FIELDS
     | {"messages", "max_completion_tokens", "top_logprobs", "functions", "function_call"}
-    | NOT_SUPPORTED_YET.keys()
+    | STRUCTURED_FIELDS
+    | TOOL_FIELDS
 )
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
@@ -117,10 +109,10 @@ FIELDS = {
     "detokenize": DETOKENIZE_FIELDS,
 }
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
-# Roles that arrive with tool calling.
-CHAT_ROLES_NOT_SUPPORTED_YET = frozenset({"tool", "function"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The legacy role of the legacy `functions` API.
+CHAT_ROLES_NOT_SUPPORTED = frozenset({"function"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 # torch.Generator takes seeds in [-2**63, 2**64).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -140,10 +132,9 @@ def check_fields(body: dict[str, Any], endpoint: str) -> None:
     if unknown:
         names = ", ".join(repr(k) for k in unknown)
         raise ValidationError(unknown[0], f"unknown field(s): {names}")
-    for table, what in ((NOT_SUPPORTED_YET, "not supported yet"), (NOT_SUPPORTED, "not supported")):
-        for key, is_noop in table.items():
-            if key in body and not is_noop(body[key]):
-                raise ValidationError(key, f"{key}: {what}")
+    for key, is_noop in NOT_SUPPORTED.items():
+        if key in body and not is_noop(body[key]):
+            raise ValidationError(key, f"{key}: not supported")
 
 
 def check_seed(seed: int | None) -> None:

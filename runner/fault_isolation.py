@@ -75,11 +75,20 @@ def sample_isolated(
 def _rows(batch: SamplingBatch, rows: range) -> SamplingBatch:
     """The sub-batch of the given rows (same per-row fields, sliced)."""
     sl = slice(rows.start, rows.stop)
+    bitmask, bitmask_rows = None, None
+    if batch.bitmask is not None:
+        # The mask covers only the constrained rows (`bitmask_rows`, or all when None).
+        covered = batch.bitmask_rows or range(batch.bitmask.shape[0])
+        mine = [(m, r - rows.start) for m, r in enumerate(covered) if r in rows]
+        if mine:
+            bitmask = batch.bitmask[[m for m, _ in mine]]
+            bitmask_rows = [r for _, r in mine]
     return SamplingBatch(
         params=batch.params[sl],
         token_ids=batch.token_ids[sl],
         num_prompt_tokens=batch.num_prompt_tokens[sl],
         generators=batch.generators[sl],
         min_tokens_blocked=batch.min_tokens_blocked[sl],
-        bitmask=None if batch.bitmask is None else batch.bitmask[sl],
+        bitmask=bitmask,
+        bitmask_rows=bitmask_rows,
     )

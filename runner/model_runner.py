@@ -6,19 +6,23 @@ from the deltas in SchedulerOutput, so it never calls back into the scheduler.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from grammars import GrammarState, allocate_bitmask
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
 from runner.fault_isolation import sample_isolated
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
-from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
+from scheduling import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
+
+log = logging.getLogger("headrace.runner")
 
 
 @dataclass(slots=True)
@@ -30,6 +34,8 @@ class RunnerRequest:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Its grammar matcher when constrained; advanced here, on the runner thread.
+    grammar: GrammarState | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -98,6 +104,8 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
             )
+            if new.grammar is not None:
+                self.requests[new.req_id].grammar = _grammar_state(new)
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
                 self.generators[new.req_id] = torch.Generator().manual_seed(seed)
@@ -185,7 +193,11 @@ class ModelRunner:
         for _, _, rs in samplers:
             groups.append(range(offset, offset + len(rs)))
             offset += len(rs)
-        result = sample_isolated(sample, logits, self._sampling_batch(samplers), groups)
+        batch = self._sampling_batch(samplers)
+        # Filled here, just before sampling: every earlier token of every request is known
+        # on this thread, with the batch queue on or off.
+        batch.bitmask, batch.bitmask_rows = self._grammar_bitmask(samplers)
+        result = sample_isolated(sample, logits, batch, groups)
         out = self._collect(samplers, result.token_ids, result.logprobs)
         for (rid, _, _), rows in zip(samplers, groups):
             if rows.start in result.failed_rows:
@@ -198,7 +210,8 @@ class ModelRunner:
 
     def _plain_greedy_step(self, so: SchedulerOutput) -> bool:
         return not so.scheduled_spec_decode_tokens and all(
-            plain_greedy(self.requests[rid].params) for rid in so.num_scheduled_tokens
+            plain_greedy(self.requests[rid].params) and self.requests[rid].grammar is None
+            for rid in so.num_scheduled_tokens
         )
 
     def _forward(
@@ -246,7 +259,8 @@ class ModelRunner:
         params, ids, prompts, gens, blocked = [], [], [], [], []
         for rid, _, rows in samplers:
             req = self.requests[rid]
-            stop = [] if req.params.ignore_eos else self.eos_ids
+            # A grammar decides itself where EOS may come (min_tokens does not apply).
+            stop = [] if req.params.ignore_eos or req.grammar else self.eos_ids
             for _ in rows:
                 params.append(req.params)
                 ids.append(req.token_ids)
@@ -254,6 +268,26 @@ class ModelRunner:
                 gens.append(self.generators.get(rid))
                 blocked.append(stop + req.params.stop_token_ids)
         return SamplingBatch(params, ids, prompts, gens, blocked)
+
+    def _grammar_bitmask(
+        self, samplers: list[tuple[str, list[int], range]]
+    ) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The int32 [constrained rows, ceil(V / 32)] mask and the batch rows it covers."""
+        constrained: list[tuple[GrammarState, list[int], int]] = []
+        rows: list[int] = []
+        i = 0
+        for rid, drafts, positions in samplers:
+            grammar = self.requests[rid].grammar
+            if grammar is not None:
+                constrained.append((grammar, drafts, len(rows)))
+                rows.extend(range(i, i + len(positions)))
+            i += len(positions)
+        if not constrained:
+            return None, None
+        bitmask = allocate_bitmask(len(rows), self.cfg.vocab_size)
+        for grammar, drafts, first in constrained:
+            grammar.fill_with_drafts(bitmask, first, drafts)
+        return bitmask, rows
 
     def _collect(
         self,
@@ -280,5 +314,21 @@ class ModelRunner:
             # Rejected drafts' KV gets overwritten: the scheduler steps its counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(accepted)
             req.token_ids.extend(accepted)
+            grammar = req.grammar
+            if (
+                grammar
+                and not grammar.is_terminated
+                and grammar.accept_tokens(accepted) < len(accepted)
+            ):
+                log.warning("request %s: grammar refused a sampled token %s", rid, accepted)
             i += len(rows)
         return out
+
+
+def _grammar_state(new: NewRequestData) -> GrammarState:
+    """A fresh matcher that has accepted the output this (maybe resumed) request keeps."""
+    state = GrammarState(new.grammar)
+    output = new.token_ids[new.num_prompt_tokens :]
+    if state.accept_tokens(output) != len(output):
+        log.warning("request %s: its kept output does not follow its grammar", new.req_id)
+    return state

@@ -20,6 +20,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the KV cache (prefix hits); computing starts here.
     num_computed_tokens: int
+    # The compiled grammar the output obeys, or None (the runner builds its matcher).
+    grammar: object | None = None
 
 
 @dataclass(slots=True)

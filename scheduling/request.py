@@ -81,6 +81,9 @@ class Request:
     priority: int = 0
     slo: SLO | None = None
     cache_salt: str | None = None
+    # The compiled grammar its output must obey (opaque here: grammars/ and the runner use
+    # it). None while WAITING_FOR_GRAMMAR, and for unconstrained requests.
+    grammar: object | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

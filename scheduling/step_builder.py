@@ -24,6 +24,7 @@ class StepBuilder:
                 sampling_params=req.sampling_params,
                 block_ids=block_ids,
                 num_computed_tokens=req.num_computed_tokens,
+                grammar=req.grammar,
             )
         )
         self._take(req, num_tokens)

@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
+from daemon_fixtures import Daemon
 
 from kvcache import KVCacheManager
 from plugins import load_policy
@@ -104,6 +105,23 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> Iterator[Sch
             return
         yield step(sched)
     raise AssertionError("requests did not finish")
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon on the embedded model, shared by every end-to-end test module."""
+    d = Daemon(
+        tmp_path_factory.mktemp("daemon"),
+        "--max-model-len",
+        "512",
+        "--policy",
+        "slo",
+        "--max-num-seqs",
+        "40",
+        env={"WATCHDOG_USEC": "2000000"},
+    )
+    yield d
+    d.stop()
 
 
 @pytest.fixture

@@ -10,25 +10,8 @@ import aiohttp
 import httpx
 import openai
 import pytest
-from daemon_fixtures import Daemon
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = Daemon(
-        tmp_path_factory.mktemp("daemon"),
-        "--max-model-len",
-        "512",
-        "--policy",
-        "slo",
-        "--max-num-seqs",
-        "40",
-        env={"WATCHDOG_USEC": "2000000"},
-    )
-    yield d
-    d.stop()
 
 
 @pytest.fixture(scope="module")
