@@ -33,9 +33,8 @@ from daemon.openai_protocol import (
 )
 from daemon.overload import CapacityEstimate
 from daemon.responses import ResponseBuilder
-from daemon.tokenizing import Tokenizing
-from daemon.validation import ValidationError, choice_seed
 from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
+from daemon.tokenizing import Tokenizing
 from daemon.tool_parsers import ToolParser, load_tool_parser
 from daemon.tools import (
     ToolRequest,
@@ -45,6 +44,7 @@ from daemon.tools import (
     stream_tool_calls,
     template_renders_tools,
 )
+from daemon.validation import ValidationError, choice_seed
 from grammars import GrammarSpec
 from scheduling import QueueFullError
 

@@ -18,8 +18,8 @@ import torch
 
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
-from daemon.validation import check_vocab
 from daemon.grammar_requests import GrammarRequests
+from daemon.validation import check_vocab
 from grammars import GrammarSpec
 from kvcache import KVCacheManager
 from plugins import load_model_class, load_policy
