@@ -19,12 +19,13 @@ import torch
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from kvcache import KVCacheManager
-from plugins import load_model_class, load_policy
+from plugins import load_model_class, load_policy, load_proposer
 from runner.loader import load_model
 from runner.model_config import ModelConfig
 from runner.model_runner import ModelRunner, kv_bytes_per_block
 from runner.model_source import resolve_model
 from runner.models.decoder import DecoderForCausalLM
+from runner.spec_decode import SpeculativeConfig
 from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
@@ -36,6 +37,7 @@ from scheduling import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    SpecDecodeStats,
     StepStats,
 )
 
@@ -55,6 +57,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative-decoding counters of the request so far (None without speculation).
+    spec_stats: SpecDecodeStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -124,14 +128,32 @@ class Engine:
             max_waiting=config.max_waiting,
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
+        self.speculative = SpeculativeConfig(
+            config.speculative_method,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+        )
+        proposer = (
+            load_proposer(self.speculative.method, self.speculative)
+            if self.speculative.enabled
+            else None
+        )
         self.runner = ModelRunner(
-            self.model, self.model_config, num_blocks, config.block_size, self.device, self.dtype
+            self.model,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            proposer,
+            self.speculative.num_speculative_tokens,
         )
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         log.info(
-            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads",
+            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads, speculative %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -139,6 +161,9 @@ class Engine:
             num_blocks,
             config.block_size,
             torch.get_num_threads(),
+            f"{self.speculative.method} k={self.speculative.num_speculative_tokens}"
+            if self.speculative.enabled
+            else "off",
         )
 
     def _num_kv_blocks(self) -> int:
@@ -262,22 +287,31 @@ class Engine:
         detok = self._detokenizers.get(out.request_id)
         text = detok.add(out.new_token_ids) if detok else ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        token_ids, logprobs = out.new_token_ids, out.new_logprobs
+        completion_tokens = out.num_output_tokens
         if detok is not None and detok.stop_reason is not None and finish_reason is None:
             self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", detok.stop_reason
+            # Several tokens per step (speculation): end at the token that completed the stop.
+            extra = len(token_ids) - detok.stop_token_count
+            if extra > 0:
+                token_ids = token_ids[:-extra]
+                logprobs = logprobs[:-extra] if logprobs else logprobs
+                completion_tokens -= extra
         if finish_reason is not None and detok is not None:
             text += detok.flush()
             self._detokenizers.pop(out.request_id, None)
         return Delta(
             out.request_id,
             text,
-            out.new_token_ids,
+            token_ids,
             finish_reason,
             stop_reason,
-            out.new_logprobs,
+            logprobs,
             out.num_prompt_tokens,
-            out.num_output_tokens,
+            completion_tokens,
             out.num_cached_tokens,
+            out.spec_stats if self.speculative.enabled else None,
         )
 
     # -- scripts -------------------------------------------------------------------------

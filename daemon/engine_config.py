@@ -47,6 +47,14 @@ class EngineConfig:
         "sha256", "block hash: sha256 or builtin (faster, not safe across tenants)"
     )
     policy: str = opt("fcfs", "scheduling policy (entry point in headrace.policies)")
+    speculative_method: str = opt(
+        "none",
+        "speculative decoding proposer: none, ngram (prompt lookup), or a plugin name in "
+        "headrace.proposers; turns the batch-queue overlap off",
+    )
+    num_speculative_tokens: int = opt(3, "most draft tokens per request per step (k)")
+    prompt_lookup_min: int = opt(2, "ngram: shortest context suffix to look up")
+    prompt_lookup_max: int = opt(5, "ngram: longest context suffix to look up")
     threads: int | None = opt(
         None,
         "torch intra-op threads (default: all cores but one, so the event loop and tokenizer "

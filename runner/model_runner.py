@@ -13,7 +13,9 @@ import torch
 from runner.attention import build_metadata
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
-from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
+from runner.rejection_sampler import LogprobEntry, verify_drafts
+from runner.sampler import SamplingBatch, sample
+from runner.spec_decode import DraftRequest, Proposer
 from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 
 
@@ -44,8 +46,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model, self.cfg = model, cfg
+        # Speculative decoding: drafts proposed right after sampling, verified next step.
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer else 0
         self.block_size, self.device = block_size, device
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -120,17 +127,27 @@ class ModelRunner:
             return RunnerOutput()
         rows = [row for _, _, rs in samplers for row in rs]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = sample(logits.cpu(), self._sampling_batch(samplers))
-        return self._collect(samplers, result.token_ids, result.logprobs)
+        batch = self._sampling_batch(samplers)
+        if any(drafts for _, drafts, _ in samplers):
+            tokens, logprobs = verify_drafts(logits.cpu(), batch, [d for _, d, _ in samplers])
+        else:
+            result = sample(logits.cpu(), batch)
+            tokens = [[t] for t in result.token_ids]
+            logprobs = [[lp] if lp is not None else [] for lp in result.logprobs]
+        out = self._collect(samplers, tokens, logprobs)
+        if self.proposer is not None:
+            self._propose(out)
+        return out
 
     def _sampling_batch(self, samplers: list[tuple[str, list[int], range]]) -> SamplingBatch:
         params, ids, prompts, gens, blocked = [], [], [], [], []
-        for rid, _, rows in samplers:
+        for rid, drafts, rows in samplers:
             req = self.requests[rid]
             stop = [] if req.params.ignore_eos else self.eos_ids
-            for _ in rows:
+            for j in range(len(rows)):
                 params.append(req.params)
-                ids.append(req.token_ids)
+                # Row j scores the token after drafts[:j]: penalties count them as output.
+                ids.append(req.token_ids + drafts[:j] if j else req.token_ids)
                 prompts.append(req.num_prompt_tokens)
                 gens.append(self.generators.get(rid))
                 blocked.append(stop + req.params.stop_token_ids)
@@ -139,27 +156,33 @@ class ModelRunner:
     def _collect(
         self,
         samplers: list[tuple[str, list[int], range]],
-        token_ids: list[int],
-        logprobs: list,
+        tokens: list[list[int]],
+        logprobs: list[list[LogprobEntry]],
     ) -> RunnerOutput:
         out = RunnerOutput()
-        i = 0
-        for rid, drafts, rows in samplers:
+        for (rid, drafts, _), accepted, lps in zip(samplers, tokens, logprobs):
             req = self.requests[rid]
-            chosen = token_ids[i : i + len(rows)]
-            if not drafts:
-                accepted = chosen[:1]
-            elif req.params.greedy:
-                accepted = verify_greedy_drafts(chosen, drafts)
-            else:
-                # Sampling without draft probabilities: take the first position's token and
-                # no drafts. Correct, just no speed-up (rejection sampling: spec-decode issue).
-                accepted = chosen[:1]
             out.sampled_token_ids[rid] = accepted
             if req.params.logprobs is not None:
-                out.logprobs[rid] = logprobs[i : i + len(accepted)]
+                out.logprobs[rid] = lps
             # Rejected drafts' KV gets overwritten: the scheduler steps its counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(accepted)
             req.token_ids.extend(accepted)
-            i += len(rows)
         return out
+
+    def _propose(self, out: RunnerOutput) -> None:
+        """Drafts for every request that just sampled, within its k and max_tokens."""
+        asks = []
+        for rid in out.sampled_token_ids:
+            req = self.requests[rid]
+            k = self.num_speculative_tokens
+            if req.params.num_speculative_tokens is not None:
+                k = min(k, req.params.num_speculative_tokens)
+            num_output = len(req.token_ids) - req.num_prompt_tokens
+            k = min(k, req.params.max_tokens - num_output - 1)
+            if k > 0:
+                asks.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, k))
+        if asks:
+            for ask, drafts in zip(asks, self.proposer.propose(asks)):  # type: ignore[union-attr]
+                if drafts:
+                    out.draft_token_ids[ask.req_id] = list(drafts[: ask.max_drafts])
