@@ -38,17 +38,22 @@ def residual_probs(probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor
     return probs.scatter(1, draft_ids[:, None], 0.0)
 
 
-def _draws(batch: SamplingBatch, num_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row one uniform and V exponentials; seeded rows from their own generator.
+def _draws(
+    batch: SamplingBatch, has_draft: list[bool], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row a uniform (rows that judge a draft) and V exponentials; seeded rows from
+    their own generator.
 
-    NOTE: a seeded request draws the same amount per row whatever the outcome, so the same
-    request with the same drafts gives the same tokens run after run.
+    NOTE: a row without a draft draws exactly what `sampler.sample` draws for it, so a
+    seeded request's tokens do not depend on whether others in its batch have drafts.
     """
+    num_rows = len(has_draft)
     uniform = torch.rand(num_rows)
     noise = torch.empty(num_rows, vocab).exponential_()
     for i, g in enumerate(batch.generators):
         if g is not None:
-            uniform[i] = torch.rand((), generator=g)
+            if has_draft[i]:
+                uniform[i] = torch.rand((), generator=g)
             noise[i].exponential_(generator=g)
     return uniform, noise
 
@@ -79,8 +84,8 @@ def verify_drafts(
         emitted = target.tolist()
     else:
         probs = _filter(logits, batch).softmax(-1)  # [R, V] p_j
-        uniform, noise = _draws(batch, num_rows, vocab)
         has_draft = draft_at >= 0
+        uniform, noise = _draws(batch, has_draft.tolist(), vocab)
         safe_draft = draft_at.clamp(min=0)
         p_draft = probs.gather(1, safe_draft[:, None]).squeeze(1)  # [R]
         accept = (uniform < accept_probability(p_draft)) & has_draft

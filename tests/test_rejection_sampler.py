@@ -67,7 +67,7 @@ def exact(table: torch.Tensor, length: int) -> dict[tuple[int, ...], float]:
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         probs = {
-            seq + (x,): p * table[seq[-1] if seq else START, x].item()
+            (*seq, x): p * table[seq[-1] if seq else START, x].item()
             for seq, p in probs.items()
             for x in range(V)
         }

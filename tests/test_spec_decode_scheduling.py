@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_request, make_scheduler
 
+from conftest import make_request, make_scheduler
 from plugins import PluginError, UnknownPluginError, load_proposer, proposer_names
 from runner.spec_decode import DraftRequest, NgramProposer, Proposer, SpeculativeConfig
 from scheduling import RunnerOutput
