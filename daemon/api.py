@@ -24,6 +24,7 @@ from daemon.openai_protocol import (
     parse_request,
 )
 from daemon.responses import ResponseBuilder
+from daemon.spec_metrics import spec_log_fields
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.api")
@@ -240,7 +241,7 @@ class APIServer:
         reason = c.finish_reason or "abort"
         m.finished.labels(reason).inc()
         log.info(
-            "request %s prompt=%d output=%d cached=%d ttft=%s e2e=%.0fms finish=%s",
+            "request %s prompt=%d output=%d cached=%d ttft=%s e2e=%.0fms finish=%s%s",
             c.stream.request_id,
             c.prompt_tokens,
             c.completion_tokens,
@@ -248,4 +249,5 @@ class APIServer:
             f"{c.ttft * 1000:.0f}ms" if c.ttft is not None else "-",
             elapsed * 1000,
             reason,
+            spec_log_fields(c.spec_stats),
         )

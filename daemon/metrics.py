@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from daemon.engine import Engine
+from daemon.spec_metrics import SpecDecodeMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -57,6 +58,7 @@ class Metrics:
         self.finished = Counter(
             "headrace_requests_finished", "Finished requests", ["finish_reason"], registry=r
         )
+        self.spec_decode = SpecDecodeMetrics(r)
 
     def render(self, engine: Engine) -> bytes:
         sched, kv = engine.scheduler, engine.kv
@@ -66,4 +68,5 @@ class Metrics:
         self.prefix_hit_rate.set(kv.prefix_stats.hit_rate)
         self.prefix_queries.set(kv.prefix_stats.queries)
         self.preemptions.set(sched.num_preemptions)
+        self.spec_decode.update(sched.spec_stats)
         return generate_latest(self.registry)

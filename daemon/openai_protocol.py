@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.speculative_options import SpeculativeOptionError, parse_speculative
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
 MAX_N = 16
@@ -131,6 +132,10 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
         ) from None
     seed = _get(body, "seed", int)
     try:
+        num_speculative_tokens = parse_speculative(body)
+    except SpeculativeOptionError as e:
+        raise APIError(400, str(e), e.param) from None
+    try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else UNTIL_CONTEXT_ENDS,
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
@@ -149,6 +154,7 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
             logprobs=logprobs,
             logit_bias=bias,
             skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+            num_speculative_tokens=num_speculative_tokens,
         )
     except SamplingParamsError as e:
         raise APIError(400, str(e), e.field) from None

@@ -316,3 +316,55 @@ def test_sampled_outputs_follow_the_target_distribution(tiny):
 def test_the_end_to_end_check_catches_a_wrong_residual(tiny, monkeypatch):
     monkeypatch.setattr(rejection_sampler, "residual_probs", lambda probs, ids: probs)
     assert sampled_excess(tiny, argmax_drafting_engine(tiny)) > 8
+
+
+# -- the API extension, /metrics and the log line ----------------------------------------
+
+
+def test_request_body_extension():
+    from daemon.openai_protocol import APIError, parse_request
+
+    def parse(spec: object) -> int | None:
+        return parse_request(
+            {"prompt": "x", "speculative": spec}, chat=False
+        ).params.num_speculative_tokens
+
+    assert parse(None) is None
+    assert parse({"enabled": False}) == 0
+    assert parse({"enabled": False, "num_speculative_tokens": 3}) == 0
+    assert parse({"num_speculative_tokens": 2}) == 2
+    for bad, param in (
+        ({"k": 2}, "speculative.k"),
+        ({"num_speculative_tokens": -1}, "speculative.num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "speculative.num_speculative_tokens"),
+        ({"enabled": "no"}, "speculative.enabled"),
+        ([1], "speculative"),
+    ):
+        with pytest.raises(APIError) as e:
+            parse(bad)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_metrics_and_log_fields_report_drafts(tiny):
+    from daemon.metrics import Metrics
+    from daemon.spec_metrics import spec_log_fields
+
+    engine = spec_engine(tiny, "oracle")
+    engine.add_request(mixed_prompts()[0], GREEDY)
+    last = None
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            last = d
+    stats = engine.scheduler.spec_stats
+    assert last is not None and last.spec_stats is not None
+    assert last.spec_stats.num_accepted == stats.num_accepted > 0
+    text = Metrics().render(engine).decode()
+    assert f"headrace_spec_decode_draft_tokens_accepted {float(stats.num_accepted)}" in text
+    assert f"headrace_spec_decode_draft_tokens_verified {float(stats.num_verified)}" in text
+    assert "headrace_spec_decode_acceptance_rate" in text
+    assert "headrace_spec_decode_mean_accepted_length" in text
+    assert spec_log_fields(last.spec_stats) == (
+        f" drafts={stats.num_accepted}/{stats.num_verified}"
+        f" accept_len={stats.mean_accepted_length:.2f}"
+    )
+    assert spec_log_fields(None) == ""
