@@ -26,6 +26,7 @@ from runner.model_runner import ModelRunner, kv_bytes_per_block
 from runner.model_source import resolve_model
 from runner.models.decoder import DecoderForCausalLM
 from runner.spec_decode import SpeculativeConfig
+from runner.spec_decode.draft_length import AdaptiveDraftLength
 from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
@@ -133,6 +134,7 @@ class Engine:
             config.num_speculative_tokens,
             config.prompt_lookup_min,
             config.prompt_lookup_max,
+            config.speculative_adaptive,
         )
         proposer = (
             load_proposer(self.speculative.method, self.speculative)
@@ -149,6 +151,8 @@ class Engine:
             proposer,
             self.speculative.num_speculative_tokens,
         )
+        if proposer is not None and self.speculative.adaptive:
+            self.runner.draft_length = AdaptiveDraftLength(self.speculative.num_speculative_tokens)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

@@ -55,6 +55,11 @@ class EngineConfig:
     num_speculative_tokens: int = opt(3, "most draft tokens per request per step (k)")
     prompt_lookup_min: int = opt(2, "ngram: shortest context suffix to look up")
     prompt_lookup_max: int = opt(5, "ngram: longest context suffix to look up")
+    speculative_adaptive: bool = opt(
+        True,
+        "give a request fewer drafts while its drafts keep being rejected (verifying costs "
+        "forward rows; on CPU that is not free)",
+    )
     threads: int | None = opt(
         None,
         "torch intra-op threads (default: all cores but one, so the event loop and tokenizer "

@@ -16,6 +16,7 @@ from runner.models.decoder import DecoderForCausalLM
 from runner.rejection_sampler import LogprobEntry, verify_drafts
 from runner.sampler import SamplingBatch, sample
 from runner.spec_decode import DraftRequest, Proposer
+from runner.spec_decode.draft_length import AdaptiveDraftLength
 from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 
 
@@ -53,6 +54,8 @@ class ModelRunner:
         # Speculative decoding: drafts proposed right after sampling, verified next step.
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
+        # None: every request gets the full k each step.
+        self.draft_length: AdaptiveDraftLength | None = None
         self.block_size, self.device = block_size, device
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -68,6 +71,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.draft_length is not None:
+                self.draft_length.drop(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
@@ -167,6 +172,8 @@ class ModelRunner:
                 out.logprobs[rid] = lps
             # Rejected drafts' KV gets overwritten: the scheduler steps its counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(accepted)
+            if drafts and self.draft_length is not None:
+                self.draft_length.observe(rid, len(drafts), len(accepted) - 1)
             req.token_ids.extend(accepted)
         return out
 
@@ -176,6 +183,8 @@ class ModelRunner:
         for rid in out.sampled_token_ids:
             req = self.requests[rid]
             k = self.num_speculative_tokens
+            if self.draft_length is not None:
+                k = min(k, self.draft_length.cap(rid))
             if req.params.num_speculative_tokens is not None:
                 k = min(k, req.params.num_speculative_tokens)
             num_output = len(req.token_ids) - req.num_prompt_tokens

@@ -202,3 +202,22 @@ def test_no_block_leaks_after_rejections_aborts_and_preemptions():
     assert all(len(r.output_token_ids) <= 30 for r in reqs)
     sched.check_integrity()
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_adaptive_draft_length_backs_off_and_probes():
+    from runner.spec_decode.draft_length import AdaptiveDraftLength
+
+    adaptive = AdaptiveDraftLength(4, initial_rate=0.5, weight=0.5, probe_every=3)
+    assert adaptive.cap("a") == 2
+    adaptive.observe("a", 2, 2)  # all accepted: rate 0.75
+    assert adaptive.cap("a") == 3
+    for _ in range(4):
+        adaptive.observe("a", 3, 0)  # rejected again and again
+    # At 0 it skips, then probes with one draft every third step.
+    assert [adaptive.cap("a") for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    for _ in range(4):
+        adaptive.observe("a", 1, 1)  # the probes succeed: back up
+    assert adaptive.cap("a") == 4
+    assert adaptive.cap("b") == 2  # per request
+    adaptive.drop("a")
+    assert "a" not in adaptive.tracks

@@ -16,6 +16,8 @@ class SpeculativeConfig:
     # n-gram proposer: shortest and longest suffix it tries to find earlier in the context.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # Give requests whose drafts keep failing fewer drafts (runner/spec_decode/draft_length.py).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
