@@ -150,35 +150,45 @@ def chat_ids(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer.encode(prompt)
 
 
-def run(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> Run:
-    """Requests in waves of `concurrency`; decode time per wave is first token -> last."""
+def run_wave(engine: Engine, prompts: list[list[int]], max_tokens: int, into: Run) -> None:
+    """Run `prompts` together to the end; decode time is first token -> last token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     stats = engine.scheduler.spec_stats
     before = (stats.num_proposed, stats.num_verified, stats.num_accepted, stats.num_verify_steps)
-    result = Run(outputs=[])
-    for w in range(0, len(prompts), concurrency):
-        rids = [engine.add_request(p, params) for p in prompts[w : w + concurrency]]
-        tokens: dict[str, list[int]] = {rid: [] for rid in rids}
-        first: dict[str, float] = {}
-        last: dict[str, float] = {}
-        while engine.has_unfinished_requests():
-            deltas = engine.step()
-            result.steps += 1
-            now = time.perf_counter()
-            for d in deltas:
-                if d.token_ids:
-                    first.setdefault(d.request_id, now)
-                    last[d.request_id] = now
-                    tokens[d.request_id] += d.token_ids
-        result.decode_tokens += sum(len(t) - 1 for t in tokens.values())
-        result.decode_time += max(last.values()) - min(first.values())
-        result.outputs += [tokens[rid] for rid in rids]
+    rids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+        into.steps += 1
+        now = time.perf_counter()
+        for d in deltas:
+            if d.token_ids:
+                first.setdefault(d.request_id, now)
+                last[d.request_id] = now
+                tokens[d.request_id] += d.token_ids
     engine.release_finished()
-    result.proposed = stats.num_proposed - before[0]
-    result.verified = stats.num_verified - before[1]
-    result.accepted = stats.num_accepted - before[2]
-    result.verify_steps = stats.num_verify_steps - before[3]
-    return result
+    into.decode_tokens += sum(len(t) - 1 for t in tokens.values())
+    into.decode_time += max(last.values()) - min(first.values())
+    into.outputs += [tokens[rid] for rid in rids]  # type: ignore[operator]
+    into.proposed += stats.num_proposed - before[0]
+    into.verified += stats.num_verified - before[1]
+    into.accepted += stats.num_accepted - before[2]
+    into.verify_steps += stats.num_verify_steps - before[3]
+
+
+def run_pair(
+    engines: dict[str, Engine], prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[Run, Run]:
+    """Waves of `concurrency` requests, each run without and then with speculation, so the
+    two sides see the same moments of a shared machine."""
+    off, on = Run(outputs=[]), Run(outputs=[])
+    for w in range(0, len(prompts), concurrency):
+        wave = prompts[w : w + concurrency]
+        run_wave(engines["off"], wave, max_tokens, off)
+        run_wave(engines["ngram"], wave, max_tokens, on)
+    return off, on
 
 
 def proposer_cost(engine: Engine, prompts: list[list[int]], steps: int = 30) -> tuple[float, float]:
@@ -253,8 +263,7 @@ def main() -> None:
     for name, prompts in workloads.items():
         for conc in (1, 16):
             batch = prompts[: args.serial] if conc == 1 else prompts[:16]
-            off = run(engines["off"], batch, conc, args.max_tokens)
-            on = run(engines["ngram"], batch, conc, args.max_tokens)
+            off, on = run_pair(engines, batch, conc, args.max_tokens)
             same = off.outputs == on.outputs
             identical &= same
             speedup = on.tok_s / off.tok_s

@@ -368,3 +368,21 @@ def test_metrics_and_log_fields_report_drafts(tiny):
         f" accept_len={stats.mean_accepted_length:.2f}"
     )
     assert spec_log_fields(None) == ""
+
+
+async def test_async_engine_turns_the_overlap_off_and_streams_multi_token_deltas(tiny, caplog):
+    from daemon.async_engine import AsyncEngine
+
+    engine = spec_engine(tiny, "oracle")
+    with caplog.at_level("WARNING", logger="headrace.engine"):
+        async_engine = AsyncEngine(engine, overlap=True)
+    assert not async_engine.overlap and async_engine.depth == 1
+    assert "overlap turned off" in caplog.text
+    want = plain_engine(tiny[1]).generate([mixed_prompts()[0]], GREEDY)[0].token_ids
+    try:
+        deltas = [d async for d in async_engine.generate(mixed_prompts()[0], GREEDY)]
+    finally:
+        await async_engine.stop()
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert any(len(d.token_ids) > 1 for d in deltas)
+    assert_pool_clean(engine)
