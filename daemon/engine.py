@@ -293,11 +293,13 @@ class Engine:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         token_ids, logprobs = out.new_token_ids, out.new_logprobs
         completion_tokens = out.num_output_tokens
-        if detok is not None and detok.stop_reason is not None and finish_reason is None:
+        # Several tokens per step (speculation): a stop string completed before the last
+        # token ends the request there, even if a later one was EOS or the length limit.
+        stopped = detok is not None and detok.stop_reason is not None
+        extra = len(token_ids) - detok.stop_token_count if stopped else 0  # type: ignore[union-attr]
+        if stopped and (finish_reason is None or extra > 0):
             self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", detok.stop_reason
-            # Several tokens per step (speculation): end at the token that completed the stop.
-            extra = len(token_ids) - detok.stop_token_count
             if extra > 0:
                 token_ids = token_ids[:-extra]
                 logprobs = logprobs[:-extra] if logprobs else logprobs

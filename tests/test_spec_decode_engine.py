@@ -386,3 +386,14 @@ async def test_async_engine_turns_the_overlap_off_and_streams_multi_token_deltas
     assert [t for d in deltas for t in d.token_ids] == want
     assert any(len(d.token_ids) > 1 for d in deltas)
     assert_pool_clean(engine)
+
+
+def test_detokenizer_finds_the_token_that_completes_a_stop_string():
+    from daemon.detokenizer import IncrementalDetokenizer
+
+    tok = load_tokenizer(resolve_model(None))
+    ids = tok.encode("one two three four five")
+    three = next(i for i in range(len(ids)) if "three" in tok.decode(ids[: i + 1]))
+    detok = IncrementalDetokenizer(tok, tok.encode("Count:"), SamplingParams(stop=["three"]))
+    assert detok.add(ids) + detok.flush() == "one two "
+    assert detok.stop_reason == "three" and detok.stop_token_count == three + 1 < len(ids)
