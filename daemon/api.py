@@ -33,6 +33,7 @@ from daemon.openai_protocol import (
 )
 from daemon.overload import CapacityEstimate
 from daemon.responses import ResponseBuilder
+from daemon.spec_metrics import spec_log_fields
 from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
 from daemon.tokenizing import Tokenizing
 from daemon.tool_parsers import ToolParser, load_tool_parser
@@ -330,7 +331,7 @@ class APIServer:
         reason = c.finish_reason or "abort"
         m.finished.labels(reason).inc()
         log.info(
-            "request %s prompt=%d output=%d cached=%d ttft=%s e2e=%.0fms finish=%s",
+            "request %s prompt=%d output=%d cached=%d ttft=%s e2e=%.0fms finish=%s%s",
             c.stream.request_id,
             c.prompt_tokens,
             c.completion_tokens,
@@ -338,6 +339,7 @@ class APIServer:
             f"{c.ttft * 1000:.0f}ms" if c.ttft is not None else "-",
             elapsed * 1000,
             reason,
+            spec_log_fields(c.spec_stats),
         )
 
 

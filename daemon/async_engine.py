@@ -63,6 +63,12 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, overlap: bool = True) -> None:
         self.engine = engine
+        if overlap and engine.speculative.enabled:
+            # Drafts for step N+1 come from step N's sampled tokens, so N+1 cannot be
+            # scheduled while N runs: speculation and the batch queue exclude each other.
+            log.warning("speculative decoding is on: batch-queue overlap turned off")
+            overlap = False
+        self.overlap = overlap
         self.depth = 2 if overlap else 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
         # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.

@@ -10,6 +10,7 @@ from typing import Any
 
 from daemon.async_engine import RequestStream
 from daemon.engine import Delta
+from scheduling import SpecDecodeStats
 
 # (token id, its logprob, {top token id: logprob})
 LogprobEntry = tuple[int, float, dict[int, float]]
@@ -36,6 +37,8 @@ class Choice:
     last_token_time: float | None = None
     # Time between consecutive deltas, for the inter-token latency histogram.
     gaps: list[float] = field(default_factory=list)
+    # Drafts verified and accepted for this choice (None when the engine does not speculate).
+    spec_stats: SpecDecodeStats | None = None
 
     def add(self, delta: Delta) -> None:
         now = time.monotonic()
@@ -52,6 +55,7 @@ class Choice:
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.completion_tokens = delta.completion_tokens or self.completion_tokens
         self.cached_tokens = delta.cached_tokens or self.cached_tokens
+        self.spec_stats = delta.spec_stats or self.spec_stats
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 

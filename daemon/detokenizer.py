@@ -28,6 +28,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stop_reason: str | None = None
+        # Tokens of the last `add` up to and including the one that completed a stop string.
+        self.stop_token_count = 0
         # Text that could still be the start of a stop string is held back while streaming.
         self.hold = max((len(s) for s in params.stop), default=1) - 1
 
@@ -36,7 +38,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or self.stop_reason is not None:
             return ""
         checked_from = max(0, len(self.text) - self.hold)
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             self.ids.append(token_id)
             skip = self.params.skip_special_tokens
             before = self.tokenizer.decode(
@@ -46,7 +48,12 @@ class IncrementalDetokenizer:
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self.text += after[len(before) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self._check_stop(checked_from)
+                if self.params.stop:
+                    # Checked per token: a multi-token delta (speculation) ends where it matched.
+                    self._check_stop(checked_from)
+                    if self.stop_reason is not None:
+                        self.stop_token_count = i + 1
+                        break
         return self._take(final=self.stop_reason is not None)
 
     def flush(self) -> str:

@@ -22,7 +22,7 @@ from daemon.grammar_requests import GrammarRequests
 from daemon.validation import check_vocab
 from grammars import GrammarSpec
 from kvcache import KVCacheManager
-from plugins import load_model_class, load_policy
+from plugins import load_model_class, load_policy, load_proposer
 from runner.device_queue import PendingOutput
 from runner.loader import load_model, open_checkpoint
 from runner.model_config import ModelConfig
@@ -30,6 +30,8 @@ from runner.model_runner import ModelRunner, kv_bytes_per_block
 from runner.model_source import resolve_model
 from runner.models.decoder import DecoderForCausalLM
 from runner.platform import Platform, select_platform
+from runner.spec_decode import SpeculativeConfig
+from runner.spec_decode.draft_length import AdaptiveDraftLength
 from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
@@ -41,6 +43,7 @@ from scheduling import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    SpecDecodeStats,
     StepStats,
 )
 
@@ -63,6 +66,8 @@ class Delta:
     # Set when the request was bad in a way found only inside the engine (its grammar does
     # not compile): the API answers 400 with this message.
     bad_request: str | None = None
+    # Speculative-decoding counters of the request so far (None without speculation).
+    spec_stats: SpecDecodeStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -146,6 +151,18 @@ class Engine:
             max_waiting=config.max_waiting,
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
+        self.speculative = SpeculativeConfig(
+            config.speculative_method,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.speculative_adaptive,
+        )
+        proposer = (
+            load_proposer(self.speculative.method, self.speculative)
+            if self.speculative.enabled
+            else None
+        )
         self.runner = ModelRunner(
             self.model,
             self.model_config,
@@ -155,7 +172,11 @@ class Engine:
             self.dtype,
             config.attention_backend,
             None if self._eager() else (config.max_num_seqs, max_model_len),
+            proposer,
+            self.speculative.num_speculative_tokens,
         )
+        if proposer is not None and self.speculative.adaptive:
+            self.runner.draft_length = AdaptiveDraftLength(self.speculative.num_speculative_tokens)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -166,7 +187,7 @@ class Engine:
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         log.info(
-            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads",
+            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads, speculative %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -174,6 +195,9 @@ class Engine:
             num_blocks,
             config.block_size,
             torch.get_num_threads(),
+            f"{self.speculative.method} k={self.speculative.num_speculative_tokens}"
+            if self.speculative.enabled
+            else "off",
         )
 
     def _eager(self) -> bool:
@@ -371,22 +395,33 @@ class Engine:
         detok = self._detokenizers.get(out.request_id)
         text = detok.add(out.new_token_ids) if detok else ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if detok is not None and detok.stop_reason is not None and finish_reason is None:
+        token_ids, logprobs = out.new_token_ids, out.new_logprobs
+        completion_tokens = out.num_output_tokens
+        # Several tokens per step (speculation): a stop string completed before the last
+        # token ends the request there, even if a later one was EOS or the length limit.
+        stopped = detok is not None and detok.stop_reason is not None
+        extra = len(token_ids) - detok.stop_token_count if stopped else 0  # type: ignore[union-attr]
+        if stopped and (finish_reason is None or extra > 0):
             self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", detok.stop_reason
+            if extra > 0:
+                token_ids = token_ids[:-extra]
+                logprobs = logprobs[:-extra] if logprobs else logprobs
+                completion_tokens -= extra
         if finish_reason is not None and detok is not None:
             text += detok.flush()
             self._detokenizers.pop(out.request_id, None)
         return Delta(
             out.request_id,
             text,
-            out.new_token_ids,
+            token_ids,
             finish_reason,
             stop_reason,
-            out.new_logprobs,
+            logprobs,
             out.num_prompt_tokens,
-            out.num_output_tokens,
+            completion_tokens,
             out.num_cached_tokens,
+            out.spec_stats if self.speculative.enabled else None,
         )
 
     # -- scripts -------------------------------------------------------------------------

@@ -60,6 +60,19 @@ class EngineConfig:
         "sha256", "block hash: sha256 or builtin (faster, not safe across tenants)"
     )
     policy: str = opt("fcfs", "scheduling policy (entry point in headrace.policies)")
+    speculative_method: str = opt(
+        "none",
+        "speculative decoding proposer: none, ngram (prompt lookup), or a plugin name in "
+        "headrace.proposers; turns the batch-queue overlap off",
+    )
+    num_speculative_tokens: int = opt(3, "most draft tokens per request per step (k)")
+    prompt_lookup_min: int = opt(2, "ngram: shortest context suffix to look up")
+    prompt_lookup_max: int = opt(5, "ngram: longest context suffix to look up")
+    speculative_adaptive: bool = opt(
+        True,
+        "give a request fewer drafts while its drafts keep being rejected (verifying costs "
+        "forward rows; on CPU that is not free)",
+    )
     threads: int | None = opt(
         None,
         "torch intra-op threads (default: every core this process may use; idle OpenMP "

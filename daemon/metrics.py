@@ -12,6 +12,8 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine import Engine
+from daemon.metric_totals import advance
+from daemon.spec_metrics import SpecDecodeMetrics
 
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -70,6 +72,7 @@ class Metrics:
         self.finished = Counter(
             "headrace_requests_finished", "Finished requests", ["finish_reason"], registry=r
         )
+        self.spec_decode = SpecDecodeMetrics(r)
 
         self.grammar_compile = Histogram(
             "headrace_grammar_compile_seconds",
@@ -95,20 +98,14 @@ class Metrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(kv.usage())
         self.prefix_hit_rate.set(kv.prefix_stats.hit_rate)
-        _advance(self.prefix_queries, kv.prefix_stats.queries)
-        _advance(self.preemptions, sched.num_preemptions)
-        _advance(self.constrained, engine.grammars.num_requests)
+        advance(self.prefix_queries, kv.prefix_stats.queries)
+        advance(self.preemptions, sched.num_preemptions)
+        advance(self.constrained, engine.grammars.num_requests)
         stats = engine.grammars.stats
         if stats is not None:
             for seconds in stats.drain_compile_seconds():
                 self.grammar_compile.observe(seconds)
-            _advance(self.grammar_hits, stats.hits)
-            _advance(self.grammar_misses, stats.misses)
+            advance(self.grammar_hits, stats.hits)
+            advance(self.grammar_misses, stats.misses)
+        self.spec_decode.update(sched.spec_stats)
         return generate_latest(self.registry)
-
-
-def _advance(counter: Counter, total: float) -> None:
-    """Move a counter up to an engine total (never down: counters only grow)."""
-    delta = total - counter._value.get()
-    if delta > 0:
-        counter.inc(delta)

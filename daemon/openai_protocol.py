@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon import validation
+from daemon.speculative_options import SpeculativeOptionError, parse_speculative
 from daemon.validation import ValidationError
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
@@ -137,6 +138,10 @@ def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     seed = _get(body, "seed", int)
     validation.check_seed(seed)
     try:
+        num_speculative_tokens = parse_speculative(body)
+    except SpeculativeOptionError as e:
+        raise APIError(400, str(e), e.param) from None
+    try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else UNTIL_CONTEXT_ENDS,
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
@@ -155,6 +160,7 @@ def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
             logprobs=logprobs,
             logit_bias=bias,
             skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+            num_speculative_tokens=num_speculative_tokens,
         )
     except SamplingParamsError as e:
         raise APIError(400, str(e), e.field) from None

@@ -131,7 +131,12 @@ async def serve(config: ServeConfig) -> int:
     for site in sites:
         await site.start()
     where = ", ".join(_describe(site) for site in sites)
-    log.info("serving %s on %s (batch-queue overlap %s)", name, where, "on" if overlap else "off")
+    log.info(
+        "serving %s on %s (batch-queue overlap %s)",
+        name,
+        where,
+        "on" if async_engine.overlap else "off",
+    )
     notifier.ready(f"serving {name} on {where}")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

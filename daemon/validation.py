@@ -53,6 +53,8 @@ VLLM_EXTRA_FIELDS = frozenset(
         "prompt_logprobs",
         # headrace: {"ttft_ms": number, "tpot_ms": number} for the `slo` policy.
         "slo",
+        # headrace: {"enabled": bool, "num_speculative_tokens": int} (speculative decoding).
+        "speculative",
     }
 )
 

@@ -1,4 +1,6 @@
-"""Entry-point discovery for policies and model architectures, with API version checks."""
+"""Entry-point discovery for policies, model architectures and speculative proposers.
+
+Each kind is checked against the plugin API version it declares."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from scheduling.policy import POLICY_API_VERSION, Policy
 
 POLICY_GROUP = "headrace.policies"
 MODEL_GROUP = "headrace.models"
+PROPOSER_GROUP = "headrace.proposers"
 
 
 class PluginError(RuntimeError):
@@ -67,3 +70,18 @@ def load_policy(name: str, **options: Any) -> Policy:
     if not isinstance(policy, Policy):
         raise PluginError(f"policy {name!r} does not implement rank/admit/observe")
     return policy
+
+
+def proposer_names() -> list[str]:
+    return sorted(installed(PROPOSER_GROUP))
+
+
+def load_proposer(name: str, config: Any) -> Any:
+    """Instantiate the speculative proposer registered as `name` with the engine's config."""
+    from runner.spec_decode.proposer import PROPOSER_API_VERSION, Proposer
+
+    cls = load_plugin(PROPOSER_GROUP, name, PROPOSER_API_VERSION, "speculative proposer")
+    proposer = cls(config)
+    if not isinstance(proposer, Proposer):
+        raise PluginError(f"speculative proposer {name!r} does not implement propose(requests)")
+    return proposer

@@ -13,34 +13,48 @@ sampling, grammar bitmasks): whatever `sample` becomes, this wrapper stays the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from runner.sampler import SampleResult, SamplingBatch
+from runner.rejection_sampler import LogprobEntry
+from runner.sampler import SamplingBatch, sample
 
 log = logging.getLogger("headrace.runner")
 
-SampleFn = Callable[[torch.Tensor, SamplingBatch], SampleResult]
+VerifyFn = Callable[
+    [torch.Tensor, SamplingBatch, Sequence[Sequence[int]]],
+    tuple[list[list[int]], list[list[LogprobEntry]]],
+]
 
 
 @dataclass(slots=True)
-class IsolatedSample:
-    """Per row: the sampled id (0 where the row failed) and its logprobs; failed row -> why."""
+class PerRequest:
+    """Per request: emitted tokens and their logprobs; failed request index -> why."""
 
-    token_ids: list[int]
-    logprobs: list[tuple[float, dict[int, float]] | None]
-    failed_rows: dict[int, str] = field(default_factory=dict)
+    tokens: list[list[int]]
+    logprobs: list[list[LogprobEntry]]
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+def sample_one_each(
+    logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]]
+) -> tuple[list[list[int]], list[list[LogprobEntry]]]:
+    """`sample` shaped like draft verification, for steps without drafts (one row each)."""
+    result = sample(logits, batch)
+    lps = [[lp] if lp is not None else [] for lp in result.logprobs]
+    return [[t] for t in result.token_ids], lps
 
 
 def sample_isolated(
-    sample_fn: SampleFn,
+    verify_fn: VerifyFn,
     logits: torch.Tensor,
     batch: SamplingBatch,
+    drafts: Sequence[Sequence[int]],
     groups: list[range],
-) -> IsolatedSample:
-    """`sample_fn` over the whole batch; on an exception, again per group of rows.
+) -> PerRequest:
+    """`verify_fn` over the whole batch; on an exception, again per request.
 
     `groups` are the row ranges of each request (a request with drafts owns several rows).
     `logits` is modified in place by the sampler, so a pristine copy is kept for the retry.
@@ -52,23 +66,22 @@ def sample_isolated(
     # seeded request's tokens do not depend on a neighbour's failure.
     states = [None if g is None else g.get_state() for g in batch.generators]
     try:
-        result = sample_fn(logits, batch)
-        return IsolatedSample(result.token_ids, result.logprobs)
+        return PerRequest(*verify_fn(logits, batch, drafts))
     except Exception:
         log.warning("batched sampling raised; sampling each request alone", exc_info=True)
     for g, state in zip(batch.generators, states):
         if g is not None and state is not None:
             g.set_state(state)
-    out = IsolatedSample([0] * logits.shape[0], [None] * logits.shape[0])
-    for rows in groups:
+    out = PerRequest([[0] for _ in groups], [[] for _ in groups])
+    for i, rows in enumerate(groups):
         try:
-            result = sample_fn(pristine[rows.start : rows.stop].clone(), _rows(batch, rows))
+            tokens, lps = verify_fn(
+                pristine[rows.start : rows.stop].clone(), _rows(batch, rows), [drafts[i]]
+            )
         except Exception as e:  # any fault of this request ends it alone
-            for row in rows:
-                out.failed_rows[row] = f"sampling failed: {type(e).__name__}: {e}"
+            out.failed[i] = f"sampling failed: {type(e).__name__}: {e}"
             continue
-        out.token_ids[rows.start : rows.stop] = result.token_ids
-        out.logprobs[rows.start : rows.stop] = result.logprobs
+        out.tokens[i], out.logprobs[i] = tokens[0], lps[0]
     return out
 
 

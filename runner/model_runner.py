@@ -16,10 +16,13 @@ import torch
 from grammars import GrammarState, allocate_bitmask
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
-from runner.fault_isolation import sample_isolated
+from runner.fault_isolation import sample_isolated, sample_one_each
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
-from runner.sampler import SamplingBatch, sample, verify_greedy_drafts
+from runner.rejection_sampler import LogprobEntry, verify_drafts
+from runner.sampler import SamplingBatch
+from runner.spec_decode import DraftRequest, Proposer
+from runner.spec_decode.draft_length import AdaptiveDraftLength
 from scheduling import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("headrace.runner")
@@ -56,10 +59,17 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         attention_backend: str = "auto",
         decode_graphs: tuple[int, int] | None = None,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
         decode-only steps (CUDA with the Triton backend only; ignored elsewhere)."""
         self.model, self.cfg = model, cfg
+        # Speculative decoding: drafts proposed right after sampling, verified next step.
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer else 0
+        # None: every request gets the full k each step.
+        self.draft_length: AdaptiveDraftLength | None = None
         self.block_size, self.device = block_size, device
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -91,6 +101,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.draft_length is not None:
+                self.draft_length.drop(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
         if self.device_tokens is not None:
@@ -197,15 +209,20 @@ class ModelRunner:
         # Filled here, just before sampling: every earlier token of every request is known
         # on this thread, with the batch queue on or off.
         batch.bitmask, batch.bitmask_rows = self._grammar_bitmask(samplers)
-        result = sample_isolated(sample, logits, batch, groups)
-        out = self._collect(samplers, result.token_ids, result.logprobs)
-        for (rid, _, _), rows in zip(samplers, groups):
-            if rows.start in result.failed_rows:
-                # It ends when this step is processed. _collect left a placeholder id in the
-                # runner's copy, which keeps a step already scheduled after this one aligned.
-                out.failed[rid] = result.failed_rows[rows.start]
-                out.sampled_token_ids.pop(rid, None)
-                out.logprobs.pop(rid, None)
+        drafts = [d for _, d, _ in samplers]
+        verify = verify_drafts if any(drafts) else sample_one_each
+        result = sample_isolated(verify, logits, batch, drafts, groups)
+        out = self._collect(samplers, result.tokens, result.logprobs)
+        for i, why in result.failed.items():
+            # It ends when this step is processed. _collect left a placeholder id in the
+            # runner's copy, which keeps a step already scheduled after this one aligned.
+            rid = samplers[i][0]
+            out.failed[rid] = why
+            out.sampled_token_ids.pop(rid, None)
+            out.logprobs.pop(rid, None)
+            out.draft_token_ids.pop(rid, None)
+        if self.proposer is not None:
+            self._propose(out)
         return out
 
     def _plain_greedy_step(self, so: SchedulerOutput) -> bool:
@@ -257,13 +274,14 @@ class ModelRunner:
 
     def _sampling_batch(self, samplers: list[tuple[str, list[int], range]]) -> SamplingBatch:
         params, ids, prompts, gens, blocked = [], [], [], [], []
-        for rid, _, rows in samplers:
+        for rid, drafts, rows in samplers:
             req = self.requests[rid]
             # A grammar decides itself where EOS may come (min_tokens does not apply).
             stop = [] if req.params.ignore_eos or req.grammar else self.eos_ids
-            for _ in rows:
+            for j in range(len(rows)):
                 params.append(req.params)
-                ids.append(req.token_ids)
+                # Row j scores the token after drafts[:j]: penalties count them as output.
+                ids.append(req.token_ids + drafts[:j] if j else req.token_ids)
                 prompts.append(req.num_prompt_tokens)
                 gens.append(self.generators.get(rid))
                 blocked.append(stop + req.params.stop_token_ids)
@@ -292,27 +310,19 @@ class ModelRunner:
     def _collect(
         self,
         samplers: list[tuple[str, list[int], range]],
-        token_ids: list[int],
-        logprobs: list,
+        tokens: list[list[int]],
+        logprobs: list[list[LogprobEntry]],
     ) -> RunnerOutput:
         out = RunnerOutput()
-        i = 0
-        for rid, drafts, rows in samplers:
+        for (rid, drafts, _), accepted, lps in zip(samplers, tokens, logprobs):
             req = self.requests[rid]
-            chosen = token_ids[i : i + len(rows)]
-            if not drafts:
-                accepted = chosen[:1]
-            elif req.params.greedy:
-                accepted = verify_greedy_drafts(chosen, drafts)
-            else:
-                # Sampling without draft probabilities: take the first position's token and
-                # no drafts. Correct, just no speed-up (rejection sampling: spec-decode issue).
-                accepted = chosen[:1]
             out.sampled_token_ids[rid] = accepted
             if req.params.logprobs is not None:
-                out.logprobs[rid] = logprobs[i : i + len(accepted)]
+                out.logprobs[rid] = lps
             # Rejected drafts' KV gets overwritten: the scheduler steps its counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(accepted)
+            if drafts and self.draft_length is not None:
+                self.draft_length.observe(rid, len(drafts), len(accepted) - 1)
             req.token_ids.extend(accepted)
             grammar = req.grammar
             if (
@@ -321,8 +331,26 @@ class ModelRunner:
                 and grammar.accept_tokens(accepted) < len(accepted)
             ):
                 log.warning("request %s: grammar refused a sampled token %s", rid, accepted)
-            i += len(rows)
         return out
+
+    def _propose(self, out: RunnerOutput) -> None:
+        """Drafts for every request that just sampled, within its k and max_tokens."""
+        asks = []
+        for rid in out.sampled_token_ids:
+            req = self.requests[rid]
+            k = self.num_speculative_tokens
+            if self.draft_length is not None:
+                k = min(k, self.draft_length.cap(rid))
+            if req.params.num_speculative_tokens is not None:
+                k = min(k, req.params.num_speculative_tokens)
+            num_output = len(req.token_ids) - req.num_prompt_tokens
+            k = min(k, req.params.max_tokens - num_output - 1)
+            if k > 0:
+                asks.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, k))
+        if asks:
+            for ask, drafts in zip(asks, self.proposer.propose(asks)):  # type: ignore[union-attr]
+                if drafts:
+                    out.draft_token_ids[ask.req_id] = list(drafts[: ask.max_drafts])
 
 
 def _grammar_state(new: NewRequestData) -> GrammarState:

@@ -24,6 +24,7 @@ from scheduling.policy import (
 from scheduling.request import SLO, Request, RequestStatus
 from scheduling.sampling_params import SamplingParams, SamplingParamsError
 from scheduling.scheduler import QueueFullError, Scheduler
+from scheduling.spec_stats import SpecDecodeStats
 
 __all__ = [
     "ACCEPT",
@@ -47,6 +48,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SpecDecodeStats",
     "StepShape",
     "StepStats",
     "reject",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduling.sampling_params import SamplingParams
+from scheduling.spec_stats import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -88,6 +89,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> per sampled token, (logprob of the token, {top token id: logprob}).
     logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+    # req_id -> drafts the proposer offers for the next step (speculative decoding only).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Wall time of the step on the runner, which policies learn step costs from.
     duration_s: float = 0.0
     # req_id -> why: requests whose own sampling raised; they end with an error, alone.
@@ -107,6 +110,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # The request's speculative-decoding counters (a live reference; read them at the end).
+    spec_stats: SpecDecodeStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvcache import BlockHash
 from scheduling.sampling_params import SamplingParams
+from scheduling.spec_stats import SpecDecodeStats
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,6 +94,8 @@ class Request:
     # Tokens being sampled by steps in flight, not yet returned. Counting them lets the next
     # step be scheduled before this one ends (the runner fills in the real ids itself).
     num_output_placeholders: int = 0
+    # This request's drafts offered, verified and accepted (the per-request log line).
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # Hashes of full blocks of all_token_ids, extended by the KV manager as blocks fill.
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Prompt tokens served from the prefix cache when first scheduled (-1: not yet).
@@ -142,6 +145,17 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         self.token_times.append(now)
+
+    def set_drafts(self, drafts: list[int], max_model_len: int) -> None:
+        """Take the proposer's drafts for the next step, cut so that even if every one is
+        accepted (plus the bonus token) the request stays within max_tokens and max_model_len.
+        """
+        room = min(
+            self.sampling_params.max_tokens - self.num_output_tokens,
+            max_model_len - self.num_tokens,
+        )
+        self.spec_token_ids = drafts[: max(0, room - 1)]
+        self.spec_stats.num_proposed += len(self.spec_token_ids)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last output token causes, or None to go on.

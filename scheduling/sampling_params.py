@@ -43,6 +43,9 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # Most draft tokens per step for this request when the engine speculates: 0 turns
+    # speculation off for it, None takes the engine's --num-speculative-tokens.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,12 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             _check(token_id >= 0, "logit_bias", f"token id must be >= 0, got {token_id}")
             _check(-100 <= bias <= 100, "logit_bias", f"bias must be in [-100, 100], got {bias}")
+        if self.num_speculative_tokens is not None:
+            _check(
+                self.num_speculative_tokens >= 0,
+                "num_speculative_tokens",
+                f"must be >= 0, got {self.num_speculative_tokens}",
+            )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(
             all(t >= 0 for t in self.stop_token_ids),

@@ -19,6 +19,7 @@ from scheduling.config import SchedulerConfig
 from scheduling.output import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from scheduling.policy import Decision, LoadView, Policy
 from scheduling.request import Request, RequestStatus
+from scheduling.spec_stats import SpecDecodeStats
 from scheduling.step_builder import StepBuilder
 
 
@@ -51,6 +52,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
@@ -118,12 +120,23 @@ class Scheduler:
         num_tokens = self._num_tokens_wanted(req, step.budget)
         if num_tokens <= 0:
             return True
+        # Drafts ride as lookahead: their slots are reserved but never prefix-cached, and
+        # when blocks run short they are dropped before anyone is preempted.
+        known = req.num_tokens + req.num_output_placeholders
+        num_drafts = max(0, req.num_computed_tokens + num_tokens - known)
         preempted = False
         while (
             new_blocks := self.kv.allocate_slots(
-                req, num_tokens, num_lookahead_tokens=self.config.num_lookahead_tokens
+                req,
+                num_tokens - num_drafts,
+                num_lookahead_tokens=num_drafts + self.config.num_lookahead_tokens,
             )
         ) is None:
+            if num_drafts:
+                fit = min(num_drafts - 1, max(0, self._free_slots(req) - num_tokens + num_drafts))
+                num_tokens -= num_drafts - fit
+                num_drafts = fit
+                continue
             preempted = True
             if len(running) > ri:
                 self._preempt(running.pop())
@@ -180,6 +193,15 @@ class Scheduler:
             req.first_scheduled_time = now
         step.add_new(req, num_tokens, self.kv.get_block_ids(req.request_id))
         return True
+
+    def _free_slots(self, req: Request) -> int:
+        """Token slots `req` could still use: its blocks' room plus every free block."""
+        num_blocks = len(self.kv.get_block_ids(req.request_id)) + self.kv.num_free_blocks
+        return (
+            num_blocks * self.kv.block_size
+            - req.num_computed_tokens
+            - self.config.num_lookahead_tokens
+        )
 
     def _num_tokens_wanted(self, req: Request, budget: int, num_hit_tokens: int = 0) -> int:
         wanted = req.num_tokens_with_spec - req.num_computed_tokens - num_hit_tokens
@@ -245,6 +267,8 @@ class Scheduler:
             # Rejected drafts wrote KV that must be overwritten: step the counter back.
             req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
             req.spec_token_ids = []
+            if drafts:
+                self._record_verified(req, len(drafts), len(sampled) - 1)
             new_ids: list[int] = []
             status = None
             for token_id in sampled:
@@ -253,6 +277,9 @@ class Scheduler:
                 if (status := req.check_stop(self.max_model_len)) is not None:
                     self._finish(req, status)
                     break
+            if status is None and req_id in runner_output.draft_token_ids:
+                req.set_drafts(runner_output.draft_token_ids[req_id], self.max_model_len)
+                self.spec_stats.num_proposed += len(req.spec_token_ids)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 RequestOutput(
@@ -264,9 +291,14 @@ class Scheduler:
                     req.num_prompt_tokens,
                     req.num_output_tokens,
                     max(0, req.num_cached_tokens),
+                    req.spec_stats,
                 )
             )
         return outputs
+
+    def _record_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        req.spec_stats.record_verified(num_drafts, num_accepted)
+        self.spec_stats.record_verified(num_drafts, num_accepted)
 
     def observe_step(self, stats: StepStats) -> None:
         """Tell the policy how long a step took (the SLO policy learns its cost model)."""
