@@ -1,0 +1,1 @@
+"""Summarise a `headrace serve --profile-steps` log (written by daemon/step_profile.py)."""
