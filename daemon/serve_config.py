@@ -34,6 +34,11 @@ class ServerConfig:
         "competes with it (benchmarks/serve_load.py --spawn measures both)",
     )
     log_level: str = opt("info", "debug, info, warning or error")
+    profile_steps: str | None = opt(
+        None,
+        "append one JSON line per engine step to this file (tokens, schedule/forward/sample "
+        "time, Python share); summarise with `headrace bench profile FILE`",
+    )
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from the deltas in SchedulerOutput, so it never calls back into the scheduler.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,7 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        t_forward = time.perf_counter()
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -117,11 +119,15 @@ class ModelRunner:
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         if not samplers:
-            return RunnerOutput()
+            return RunnerOutput(forward_s=time.perf_counter() - t_forward)
         rows = [row for _, _, rs in samplers for row in rs]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = sample(logits.cpu(), self._sampling_batch(samplers))
-        return self._collect(samplers, result.token_ids, result.logprobs)
+        logits = logits.cpu()
+        t_sample = time.perf_counter()
+        result = sample(logits, self._sampling_batch(samplers))
+        out = self._collect(samplers, result.token_ids, result.logprobs)
+        out.forward_s, out.sample_s = t_sample - t_forward, time.perf_counter() - t_sample
+        return out
 
     def _sampling_batch(self, samplers: list[tuple[str, list[int], range]]) -> SamplingBatch:
         params, ids, prompts, gens, blocked = [], [], [], [], []

@@ -88,6 +88,9 @@ class RunnerOutput:
     logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
     # Wall time of the step on the runner, which policies learn step costs from.
     duration_s: float = 0.0
+    # Parts of it, for --profile-steps: the model forward (with the LM head) and sampling.
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass(slots=True)

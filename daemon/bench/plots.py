@@ -118,10 +118,10 @@ def plot_sweep(series: dict[str, list[dict[str, Any]]], out: str | Path, title: 
             ax.plot(xs, ys, marker="o", label=name)
             for p, x, y in zip(points, xs, ys):
                 ax.annotate(
-                    str(p["level"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+                    f"{p['level']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
                 )
         ax.set(xlabel="output throughput (tokens/s)", ylabel=label, title=f"{label} vs throughput")
-        ax.set_yscale("log")
+        _plain_log_x(ax, "y")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(title + "  (point labels: concurrency or request rate)")
