@@ -27,13 +27,14 @@ def _pyplot() -> Any:
     return plt
 
 
-def _plain_log_x(ax: Any) -> None:
+def _plain_log_x(ax: Any, axis: str = "x") -> None:
     """Log scale with tick labels written as plain numbers (200, 1000), not powers of ten."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    _plain_log_x(ax)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    getattr(ax, f"set_{axis}scale")("log")
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    which.set_minor_formatter(NullFormatter())
 
 
 def _cdf(ax: Any, values_ms: list[float], label: str) -> None:
