@@ -145,6 +145,9 @@ def test_classes_parse_and_take_their_share_of_traffic():
     share = sum(r.request_class == "chat" for r in reqs) / len(reqs)
     assert share == pytest.approx(0.25, abs=0.03)
     assert {r.priority for r in reqs if r.request_class == "batch"} == {2}
+    assert {str(r.slo) for r in reqs if r.request_class == "chat"} == {
+        str({"ttft_ms": 500.0, "tpot_ms": 80.0})
+    }
     with pytest.raises(ValueError, match="--class"):
         RequestClass.parse("chat:lots")
 

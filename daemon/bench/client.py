@@ -79,6 +79,8 @@ class Endpoint:
             body["ignore_eos"] = True
         if req.priority is not None:
             body["priority"] = req.priority
+        if req.slo:
+            body["slo"] = req.slo
         return body | (self.extra_body or {})
 
 

@@ -26,6 +26,8 @@ class BenchRequest:
     max_tokens: int
     request_class: str = "default"
     priority: int | None = None
+    # Sent as the request's `slo` (headrace's slo policy reads it) when classes are used.
+    slo: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,8 @@ def assign_classes(
         len(classes), size=len(requests), p=shares / shares.sum()
     )
     for req, k in zip(requests, picks):
-        req.request_class = classes[k].name
-        req.priority = classes[k].priority
+        c = classes[k]
+        req.request_class, req.priority = c.name, c.priority
+        bounds = {"ttft_ms": c.slo.ttft_ms, "tpot_ms": c.slo.tpot_ms}
+        req.slo = {key: v for key, v in bounds.items() if v is not None} or None
     return requests
