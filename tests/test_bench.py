@@ -311,3 +311,17 @@ def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
     assert "| b | 2 |" in (tmp_path / "t.md").read_text()
     assert len(list((tmp_path / "points").glob("*.json"))) == 3  # 2 points + sweep.json
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serve_chat_over_the_unix_socket(daemon, tmp_path, capsys):
+    from daemon.cli import main
+
+    result_file = tmp_path / "chat.json"
+    argv = ["bench", "serve", "--uds", daemon.uds, "--api", "chat", "--workload", "prefix"]
+    argv += ["--prefix-len", "32", "--input-len", "8", "--output-len", "2", "--ignore-eos"]
+    argv += ["--num-prompts", "2", "--result-file", str(result_file)]
+    assert main(argv) == 0, capsys.readouterr().out
+    result = orjson.loads(result_file.read_bytes())
+    assert result["completed"] == 2 and result["backend"] == "openai-chat"
+    # The second request reuses the shared system prompt's blocks.
+    assert result["server"]["prefix_cache_hit_rate"] > 0
