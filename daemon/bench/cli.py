@@ -166,6 +166,7 @@ def bench_once(
     meta = {"workload": args.workload, "tokenizer_id": args.tokenizer or "embedded"}
     result = build_result(outcome, spec, ep, slo, classes, meta)
     result["output_rate_series"] = output_rate_series(outcome.records, outcome.t0)
+    result["max_output_tokens_per_s"] = max(result["output_rate_series"][1], default=0.0)
     return result
 
 
