@@ -277,6 +277,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     series: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
     for name, url in targets:
         peer = None
         try:
@@ -310,6 +311,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             series[name] = points
         except (RuntimeError, TimeoutError, ConnectionError, OSError) as e:
             print(f"[{name}] skipped: {e}", file=sys.stderr, flush=True)
+            skipped.append(name)
         finally:
             if peer is not None:
                 peer.stop()
@@ -326,6 +328,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         f"output {args.output_len} tokens{' (ignore_eos)' if args.ignore_eos else ''}, streaming, "
         f"{args.api} API."
     )
+    if skipped:
+        desc += f" Skipped (not set up or failed to start): {', '.join(skipped)}."
     print(desc)
     print(table)
     print(ratio_table)
@@ -353,5 +357,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         for p in pts
     ]
     failed = sum(p["failed"] for pts in series.values() for p in pts)
-    print("RESULT " + " ".join([*pairs, *tputs, f"failed={failed}"]))
+    tail = [f"failed={failed}"] + ([f"skipped={','.join(skipped)}"] if skipped else [])
+    print("RESULT " + " ".join([*pairs, *tputs, *tail]))
     return 0
