@@ -152,6 +152,68 @@ def test_classes_parse_and_take_their_share_of_traffic():
         RequestClass.parse("chat:lots")
 
 
+class WordTokenizer:
+    """One token per word: lengths in tokens are easy to check by hand."""
+
+    all_special_ids = [0]
+
+    def __init__(self) -> None:
+        words = ["<s>", *(f"w{chr(97 + i)}{chr(97 + j)}" for i in range(26) for j in range(26))]
+        self.vocab = {w: i for i, w in enumerate(words)}
+        self.words = words
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.get(w, 1) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_random_and_prefix_workloads_have_exact_token_lengths():
+    from daemon.bench.workloads import PromptMaker, prefix_workload, random_workload
+
+    maker = PromptMaker(WordTokenizer(), seed=0)
+    reqs = random_workload(maker, 50, input_len=40, output_len=8, range_ratio=0.25, seed=0)
+    assert all(30 <= r.prompt_tokens <= 50 and 6 <= r.max_tokens <= 10 for r in reqs)
+    assert all(len(r.prompt.split()) == r.prompt_tokens for r in reqs)
+    shared = prefix_workload(
+        maker, 4, prefix_len=100, input_len=10, output_len=4, range_ratio=0, seed=0
+    )
+    systems = {r.messages[0]["content"] for r in shared}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) == 100
+    assert len({r.messages[1]["content"] for r in shared}) == 4
+    assert all(r.prompt_tokens == 110 for r in shared)
+
+
+def test_jsonl_and_sharegpt_files_load(tmp_path):
+    from daemon.bench.workloads import PromptMaker, file_workload
+
+    maker = PromptMaker(WordTokenizer(), seed=0)
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(
+        '{"prompt": "waa wab", "output_len": 5}\n'
+        '{"messages": [{"role": "user", "content": "wac wad wae"}]}\n'
+    )
+    reqs = file_workload(lines, maker, 2, default_out=7, seed=0)
+    assert sorted((r.prompt_tokens, r.max_tokens) for r in reqs) == [(2, 5), (3, 7)]
+    share = tmp_path / "sharegpt.json"
+    human, gpt = {"from": "human", "value": "waa wab wac"}, {"from": "gpt", "value": "wad wae"}
+    convo = [{"conversations": [human, gpt]}, {"conversations": [gpt, human]}]
+    share.write_text(orjson.dumps(convo).decode())
+    reqs = file_workload(share, maker, 3, default_out=7, seed=0)  # sampled with replacement
+    assert [(r.prompt_tokens, r.max_tokens) for r in reqs] == [(3, 2)] * 3
+    assert reqs[0].messages == [{"role": "user", "content": "waa wab wac"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="prompt, messages or conversations"):
+        file_workload(bad, maker, 1, 7, 0)
+    with pytest.raises(FileNotFoundError, match="dataset-path"):
+        file_workload(tmp_path / "missing.jsonl", maker, 1, 7, 0)
+
+
 # -- result schema, server counters, loopback ----------------------------------------------
 
 
