@@ -5,6 +5,7 @@ Inputs come from the environment: HR_GGUF (the file) and HR_OUT (the directory t
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,9 +19,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    # Written aside and renamed: two set-up scripts may convert at once, and a reader must
+    # never see a half-written directory.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another converter finished first: keep its copy
+        shutil.rmtree(tmp)
     print(f"wrote {out}: {sorted(p.name for p in out.iterdir())}")
 
 
