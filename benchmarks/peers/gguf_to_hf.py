@@ -16,9 +16,16 @@ def main() -> None:
     gguf = Path(os.environ["HR_GGUF"])
     out = Path(os.environ["HR_OUT"])
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
+    # transformers marks a GGUF-loaded model as quantised and refuses to save it, though its
+    # weights are already dequantised: copy them into a plain model of the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
     # Written aside and renamed: two set-up scripts may convert at once, and a reader must
     # never see a half-written directory.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")

