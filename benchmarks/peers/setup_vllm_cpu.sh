@@ -48,9 +48,10 @@ def _distribution_of(name):
 
 md.version, md.distribution = _version_of, _distribution_of
 
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":  # vLLM's workers re-import this file through multiprocessing spawn
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())
 PY
 say "launcher: $DEST/vllm_launcher.py"
 MODEL="$PEERS_DIR/smollm2-hf"
