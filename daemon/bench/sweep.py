@@ -246,6 +246,15 @@ def tables(
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so a launched peer is stopped, never left running.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run_sweep(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
     from daemon.bench.cli import bench_once, build_requests, load_bench_tokenizer, make_endpoint
     from daemon.bench.serve import write_result
 
