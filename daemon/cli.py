@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as is, without the chat template"
     )
+    from daemon.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -149,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "bench":
+            from daemon.bench.cli import run_bench
+
+            return run_bench(args)
         if args.command == "serve":
             from daemon.server import run
 

@@ -48,6 +48,11 @@ class ServerConfig:
     stream_timeout: float = opt(
         60.0, "end a stream whose client has taken no data for this many seconds"
     )
+    profile_steps: str | None = opt(
+        None,
+        "append one JSON line per engine step to this file (tokens, schedule/forward/sample "
+        "time, Python share); summarise with `headrace bench profile FILE`",
+    )
 
 
 @dataclass(slots=True)

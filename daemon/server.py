@@ -108,6 +108,12 @@ async def serve(config: ServeConfig) -> int:
         async_engine.idle_timeout = notifier.watchdog_interval
     notifier.status("warming up")
     await warm_up(async_engine)
+    profiler = None
+    if config.server.profile_steps:  # after warm-up: its steps would skew the profile
+        from daemon.step_profile import StepProfiler
+
+        profiler = StepProfiler(config.server.profile_steps)
+        profiler.attach(engine)
     api = APIServer(async_engine, name, Metrics(), api_options(config.server))
     runner = web.AppRunner(
         api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
@@ -155,6 +161,8 @@ async def serve(config: ServeConfig) -> int:
         async_engine.abort(request_id)
     await runner.cleanup()
     await async_engine.stop()
+    if profiler is not None:
+        profiler.close()
     if uds_sock is not None and config.server.uds:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.server.uds)

@@ -165,6 +165,7 @@ class ModelRunner:
             if start + n >= num_tokens:
                 first = offset + num_tokens - 1 - start
                 samplers.append((rid, drafts, range(first, offset + n)))
+        t_forward = time.perf_counter()
         try:
             try:
                 hidden = self._forward(so, input_ids, positions, fills)
@@ -174,7 +175,7 @@ class ModelRunner:
                 for rid, n in so.num_scheduled_tokens.items():
                     self.requests[rid].num_computed_tokens += n
             if not samplers:
-                return RunnerOutput()
+                return RunnerOutput(forward_s=time.perf_counter() - t_forward)
             rows = [row for _, _, rs in samplers for row in rs]
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             if on_device and self.device_tokens is not None:
@@ -184,7 +185,10 @@ class ModelRunner:
         except Exception:
             self._after_forward_fault(samplers)
             raise
-        return self._sample(samplers, logits)
+        t_sample = time.perf_counter()
+        out = self._sample(samplers, logits)
+        out.forward_s, out.sample_s = t_sample - t_forward, time.perf_counter() - t_sample
+        return out
 
     def _after_forward_fault(self, samplers: list[tuple[str, list[int], range]]) -> None:
         """Leave the runner consistent after a failed forward.

