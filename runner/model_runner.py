@@ -212,10 +212,13 @@ class ModelRunner:
         batch = self._sampling_batch(samplers)
         # Filled here, just before sampling: every earlier token of every request is known
         # on this thread, with the batch queue on or off.
-        batch.bitmask, batch.bitmask_rows = self._grammar_bitmask(samplers)
+        batch.bitmask, batch.bitmask_rows, grammar_failed = self._grammar_bitmask(samplers)
         drafts = [d for _, d, _ in samplers]
         verify = verify_drafts if any(drafts) else sample_one_each
         result = sample_isolated(verify, logits, batch, drafts, groups)
+        result.failed.update(grammar_failed)
+        for i in grammar_failed:  # its matcher is not to be trusted with another token
+            self.requests[samplers[i][0]].grammar = None
         out = self._collect(samplers, result.tokens, result.logprobs)
         for i, why in result.failed.items():
             # It ends when this step is processed. _collect left a placeholder id in the
@@ -293,23 +296,30 @@ class ModelRunner:
 
     def _grammar_bitmask(
         self, samplers: list[tuple[str, list[int], range]]
-    ) -> tuple[torch.Tensor | None, list[int] | None]:
-        """The int32 [constrained rows, ceil(V / 32)] mask and the batch rows it covers."""
-        constrained: list[tuple[GrammarState, list[int], int]] = []
+    ) -> tuple[torch.Tensor | None, list[int] | None, dict[int, str]]:
+        """The int32 [constrained rows, ceil(V / 32)] mask, the batch rows it covers, and
+        the requests (by index) whose matcher raised: they fail alone."""
+        constrained: list[tuple[int, GrammarState, list[int], int]] = []
         rows: list[int] = []
         i = 0
-        for rid, drafts, positions in samplers:
+        for index, (rid, drafts, positions) in enumerate(samplers):
             grammar = self.requests[rid].grammar
             if grammar is not None:
-                constrained.append((grammar, drafts, len(rows)))
+                constrained.append((index, grammar, drafts, len(rows)))
                 rows.extend(range(i, i + len(positions)))
             i += len(positions)
         if not constrained:
-            return None, None
+            return None, None, {}
         bitmask = allocate_bitmask(len(rows), self.cfg.vocab_size)
-        for grammar, drafts, first in constrained:
-            grammar.fill_with_drafts(bitmask, first, drafts)
-        return bitmask, rows
+        failed: dict[int, str] = {}
+        for index, grammar, drafts, first in constrained:
+            try:
+                grammar.fill_with_drafts(bitmask, first, drafts)
+            except Exception as e:  # this request's grammar: it ends alone
+                log.error("grammar of %s raised", samplers[index][0], exc_info=True)
+                bitmask[first : first + len(drafts) + 1].fill_(-1)
+                failed[index] = f"grammar failed: {type(e).__name__}: {e}"
+        return bitmask, rows, failed
 
     def _collect(
         self,

@@ -16,15 +16,16 @@ from reliability_fixtures import api_client, assert_pool_empty, make_engine, wai
 import daemon.engine as engine_module
 from daemon.async_engine import AsyncEngine
 from daemon.detokenizer import IncrementalDetokenizer
+from grammars import GrammarSpec, GrammarState
 from scheduling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(5)]
 
 
-async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams):
+async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams, **kw):
     ids, reason, why = [], None, None
-    async for d in engine.generate(prompt, params):
+    async for d in engine.generate(prompt, params, **kw):
         ids += d.token_ids
         reason, why = d.finish_reason, d.stop_reason
     return ids, reason, why
@@ -76,6 +77,33 @@ async def test_detokenizer_fault_ends_only_its_request(tiny, monkeypatch):
         results = await asyncio.gather(*jobs)
         assert results[-1][1] == "error" and "detokenizing failed" in results[-1][2]
         assert all(r[1] == "length" and len(r[0]) == 6 for r in results[:-1])
+        await wait_idle(engine)
+    finally:
+        await engine.stop()
+    assert_pool_empty(engine)
+
+
+async def test_grammar_fault_ends_only_its_request(tiny, monkeypatch):
+    """A matcher that raises while filling its bitmask ends its own request, not the step."""
+    expected = await reference(tiny)
+    original = GrammarState.fill_with_drafts
+
+    def fill_with_drafts(self, bitmask, first_row, drafts):
+        if self.num_accepted >= 2:  # let the request get going first
+            raise RuntimeError("injected grammar fault")
+        return original(self, bitmask, first_row, drafts)
+
+    monkeypatch.setattr(GrammarState, "fill_with_drafts", fill_with_drafts)
+    engine = AsyncEngine(make_engine(tiny), overlap=False)
+    constrained = SamplingParams(max_tokens=6, temperature=0)
+    try:
+        jobs = [run(engine, p, GREEDY) for p in PROMPTS]
+        jobs.append(
+            run(engine, PROMPTS[1], constrained, grammar=GrammarSpec("regex", "[a-z ]{1,40}"))
+        )
+        results = await asyncio.gather(*jobs)
+        assert results[-1][1] == "error" and "grammar failed" in results[-1][2]
+        assert [r[0] for r in results[:-1]] == expected
         await wait_idle(engine)
     finally:
         await engine.stop()
