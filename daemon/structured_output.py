@@ -52,6 +52,14 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     if so is not None:
         if not isinstance(so, dict):
             raise APIError(400, "structured_outputs: expected an object", "structured_outputs")
+        unknown = sorted(set(so) - _STRUCTURED_OUTPUT_KEYS)
+        if unknown:
+            keys = ", ".join(sorted(_STRUCTURED_OUTPUT_KEYS))
+            raise APIError(
+                400,
+                f"structured_outputs: unknown key(s) {', '.join(unknown)} (expected one of {keys})",
+                "structured_outputs",
+            )
         for kind in ("json", "regex", "choice", "grammar"):
             if so.get(kind) is not None:
                 found.append(_one(kind, so[kind], f"structured_outputs.{kind}"))
@@ -63,6 +71,7 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     return found[0] if found else None
 
 
+_STRUCTURED_OUTPUT_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object"})
 _GUIDED = {
     "guided_json": "json",
     "guided_regex": "regex",

@@ -26,11 +26,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "Hi", "slo": {"ttft_ms": True}}, 400, "slo.ttft_ms"),
     ({"prompt": "Hi", "max_token": 5}, 400, "max_token"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "Hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
-    ({"prompt": "Hi", "guided_regex": "a+"}, 400, "guided_regex"),
-    ({"prompt": "Hi", "guided_choice": ["a"]}, 400, "guided_choice"),
-    ({"prompt": "Hi", "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar"),
-    ({"prompt": "Hi", "structured_outputs": {"json": {}}}, 400, "structured_outputs"),
+    ({"prompt": "Hi", "guided_json": 5}, 400, "guided_json"),
+    ({"prompt": "Hi", "guided_regex": 7}, 400, "guided_regex"),
+    ({"prompt": "Hi", "guided_choice": []}, 400, "guided_choice"),
+    ({"prompt": "Hi", "guided_grammar": 3}, 400, "guided_grammar"),
+    ({"prompt": "Hi", "structured_outputs": {"frobnicate": 1}}, 400, "structured_outputs"),
     ({"prompt": "Hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ({"prompt": "Hi", "echo": True}, 400, "echo"),
     ({"prompt": "Hi", "suffix": "x"}, 400, "suffix"),
@@ -43,10 +43,11 @@ BAD_CHAT = [
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
     ({"messages": [{"role": "tool", "content": "Hi"}]}, 400, "messages"),
-    ({"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"messages": [{"role": "function", "content": "Hi"}]}, 400, "messages"),
+    ({"messages": CHAT, "tool_choice": "sometimes"}, 400, "tool_choice"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"messages": CHAT, "guided_json": {}}, 400, "guided_json"),
+    ({"messages": CHAT, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"messages": CHAT, "guided_json": {}, "guided_regex": "a"}, 400, "guided_regex"),
     ({"messages": CHAT, "prompt_logprobs": 0}, 400, "prompt_logprobs"),
     ({"messages": CHAT, "max_token": 3, "frobnicate": 1}, 400, "frobnicate"),
 ]
@@ -82,8 +83,8 @@ async def test_unknown_fields_are_all_named(tiny):
         assert "'max_token'" in data["error"]["message"]
 
 
-async def test_defaults_of_not_yet_supported_fields_are_accepted(tiny):
-    """response_format text, empty tools, tool_choice none: the defaults, so no-ops."""
+async def test_no_op_defaults_of_optional_fields_are_accepted(tiny):
+    """response_format text, empty tools, tool_choice none, null guided_json: no-ops."""
     async with api_client(tiny) as (client, _):
         body = {
             "messages": CHAT,
