@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from daemon import validation
 from daemon.speculative_options import SpeculativeOptionError, parse_speculative
 from daemon.validation import ValidationError
@@ -264,6 +266,7 @@ def _tool_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
             fn = call.get("function") if isinstance(call, dict) else None
             ok = ok and isinstance(fn, dict) and isinstance(fn.get("name"), str)
             ok = ok and isinstance(fn.get("arguments", "{}"), str)
+            ok = ok and _is_json(fn.get("arguments", "{}"))
         if not ok:
             raise APIError(
                 400,
@@ -277,6 +280,14 @@ def _tool_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
             raise APIError(400, f"messages[{i}].tool_call_id: expected a string", "messages")
         extra["tool_call_id"] = m["tool_call_id"]
     return extra
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def new_id(prefix: str) -> str:
