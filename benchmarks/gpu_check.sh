@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU path's check, for a session with an NVIDIA GPU (an H200: about 5 minutes).
+# The GPU path's check, for a session with an NVIDIA GPU (an H200: 4-6 minutes, estimated;
+# it has not run on one yet).
 # Run from the repository root:
 #
 #   bash benchmarks/gpu_check.sh                # CUDA tests, then benchmarks/gpu_check.py
