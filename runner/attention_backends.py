@@ -11,6 +11,7 @@ are tested against; `triton` (runner/triton_ops/) is the CUDA path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -82,6 +83,11 @@ def select_attention_backend(
         return TorchAttentionBackend()
     if not triton_available():
         raise ValueError("attention_backend: 'triton' needs the triton package")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend: 'triton' on {device.type} runs only in triton's interpreter "
+            "(TRITON_INTERPRET=1, for tests); use 'torch' or 'auto'"
+        )
     from runner.triton_ops.backend import TritonAttentionBackend
 
     return TritonAttentionBackend(kv_heads)

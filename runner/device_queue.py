@@ -26,6 +26,21 @@ import torch
 from scheduling import RunnerOutput, SamplingParams
 
 
+def to_device(
+    values: list[int], device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU.
+
+    NOTE: `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for
+    every kernel queued before it: the runner would stall on the step in flight. A pinned
+    copy is asynchronous (the caching host allocator keeps the buffer until it is done).
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class HasTokenIds(Protocol):
     token_ids: list[int]
 

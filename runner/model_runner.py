@@ -15,7 +15,7 @@ import torch
 
 from grammars import GrammarState, allocate_bitmask
 from runner.attention_backends import select_attention_backend
-from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
+from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy, to_device
 from runner.fault_isolation import sample_isolated, sample_one_each
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
@@ -177,7 +177,7 @@ class ModelRunner:
             if not samplers:
                 return RunnerOutput(forward_s=time.perf_counter() - t_forward)
             rows = [row for _, _, rs in samplers for row in rs]
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
             if on_device and self.device_tokens is not None:
                 ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
                 return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
@@ -257,12 +257,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = to_device(input_ids, self.device)
         if fill is not None:
             fill(ids)
-        return self.model(
-            ids, torch.tensor(positions, dtype=torch.long, device=self.device), self.kv_caches, meta
-        )
+        return self.model(ids, to_device(positions, self.device), self.kv_caches, meta)
 
     def _fill_from_device(
         self, fills: list[tuple[int, int]]
@@ -270,8 +268,8 @@ class ModelRunner:
         """A device-side copy of the last step's sampled ids into this step's input rows."""
         if not fills or self.device_tokens is None:
             return None
-        dst = torch.tensor([d for d, _ in fills], device=self.device)
-        src = torch.tensor([s for _, s in fills], device=self.device)
+        dst = to_device([d for d, _ in fills], self.device)
+        src = to_device([s for _, s in fills], self.device)
         sampled = self.device_tokens.pending[-1].device_ids
 
         def fill(ids: torch.Tensor) -> None:

@@ -27,6 +27,13 @@ def test_cpu_selects_the_torch_reference() -> None:
 
 
 @needs_triton
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_attention_backend(torch.device("cpu"), 2, "triton")
+
+
+@needs_triton
 def test_engine_on_triton_backend_matches_torch_backend(tmp_path) -> None:
     """Greedy output of a tiny Qwen3 (head_dim 24, GQA 4/2) with chunked prefill, a prefix-
     cache hit and mixed steps: identical through the Triton kernels (interpreted on CPU)
@@ -39,7 +46,8 @@ def test_engine_on_triton_backend_matches_torch_backend(tmp_path) -> None:
     prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 1)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     cfg = dict(block_size=16, max_num_batched_tokens=16, kv_cache_memory=1 << 20)
-    expected = [c.token_ids for c in engine_for(loaded, **cfg).generate(prompts, params)]
+    reference = engine_for(loaded, attention_backend="torch", **cfg)
+    expected = [c.token_ids for c in reference.generate(prompts, params)]
     engine = engine_for(loaded, attention_backend="triton", **cfg)
     assert engine.runner.attn_backend.name == "triton"
     got = [c.token_ids for c in engine.generate(prompts, params)]
