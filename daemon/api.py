@@ -140,7 +140,7 @@ class APIServer:
         if chat:
             prompts: list[list[int]] = [await self.tokenizing.chat(parse_messages(body))]
         else:
-            prompts = [await self.tokenizing.prompt_ids(p) for p in req.prompts]
+            prompts = await self.tokenizing.prompt_ids(req.prompts)
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
         choices = self._add(req, prompts)
