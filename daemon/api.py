@@ -165,7 +165,7 @@ class APIServer:
             messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
             prompts: list[list[int]] = [await self.tokenizing.chat(messages, template_tools)]
         else:
-            prompts = [await self.tokenizing.prompt_ids(p) for p in req.prompts]
+            prompts = await self.tokenizing.prompt_ids(req.prompts)
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
         choices = self._add(req, prompts, constraint.spec if constraint else None)

@@ -47,11 +47,20 @@ class Tokenizing:
         ids = await self._run(len(text), tok.encode, text, add_special_tokens=add_special_tokens)
         return list(ids)
 
-    async def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """A completions prompt: text is encoded, token ids pass through."""
-        if isinstance(prompt, str):
-            return await self.encode(prompt)
-        return [int(t) for t in prompt]
+    async def prompt_ids(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Completions prompts: text is encoded, token ids pass through. The batch's total
+        size decides, so a thousand short prompts do not add up on the loop."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            self._need("prompt")
+
+        def encode_all() -> list[list[int]]:
+            return [
+                list(self.tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p]
+                for p in prompts
+            ]
+
+        return await self._run(sum(len(p) for p in texts), encode_all)
 
     async def chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

@@ -135,3 +135,12 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template (the API
+    tests in tests/reliability/ run on it)."""
+    from reliability_fixtures import build_tiny_model_dir, load_tiny
+
+    return load_tiny(build_tiny_model_dir(tmp_path_factory.mktemp("tiny-smol")))

@@ -136,3 +136,23 @@ async def test_prompts_stay_out_of_logs_unless_asked(tiny, caplog):
     async with api_client(tiny, options=APIOptions(log_prompts=True)) as (client, _):
         await client.post("/v1/completions", json={"prompt": secret, "max_tokens": 1})
     assert secret in caplog.text
+
+
+def test_access_and_limit_options_parse_from_flags_and_environment():
+    from daemon.serve_config import parse_serve_args
+    from daemon.server import api_options
+
+    config = parse_serve_args(
+        [
+            "--metrics-unix-only",
+            "--log-prompts",
+            "--max-request-bytes",
+            "1000",
+            "--stream-timeout",
+            "5",
+        ],
+        environ={"HEADRACE_API_KEY": "k1"},
+    )
+    opts = api_options(config.server)
+    assert (opts.api_key, opts.metrics_unix_only, opts.log_prompts) == ("k1", True, True)
+    assert (opts.max_request_bytes, opts.stream_timeout) == (1000, 5.0)
