@@ -144,7 +144,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         log.info(
-            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads",
+            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads (OMP_WAIT_POLICY=%s)",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -152,6 +152,7 @@ class Engine:
             num_blocks,
             config.block_size,
             torch.get_num_threads(),
+            os.environ.get("OMP_WAIT_POLICY", "unset"),
         )
 
     def _num_kv_blocks(self) -> int:

@@ -189,3 +189,19 @@ def test_cpu_features_from_flags():
     assert AMX.native_bf16 and AMX.vnni and AMX.names() == "avx2+avx512+avx512_bf16+amx_bf16+vnni"
     assert not ZEN3.native_bf16 and ZEN3.names() == "avx2"
     assert CpuFeatures.detect().avx2 == ("avx2" in Path("/proc/cpuinfo").read_text())
+
+
+def test_serve_options_reach_the_engine_config():
+    from daemon.serve_config import parse_serve_args
+
+    cfg = parse_serve_args(["--dtype", "bfloat16", "--quantization", "int8"], environ={})
+    assert (cfg.engine.dtype, cfg.engine.quantization) == ("bfloat16", "int8")
+    env = parse_serve_args([], environ={"HEADRACE_QUANTIZATION": "none"})
+    assert env.engine.quantization == "none"
+
+
+def test_int8_keeps_outlier_layers_in_the_float_format():
+    layer = Linear(8, 8, bias=False, int8_inputs=False)
+    layer.to(torch.bfloat16)
+    layer.pack("int8", float_format="float")
+    assert layer.format == "float" and layer.weight is not None
