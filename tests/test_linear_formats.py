@@ -114,8 +114,6 @@ def test_bf16_linear_close_to_fp32(source, request):
 def test_pack_checks_its_input():
     with pytest.raises(ValueError, match="weight format 'int4'"):
         Linear(4, 4).pack("int4")
-    with pytest.raises(ValueError, match="needs a bfloat16 weight"):
-        Linear(4, 4).pack("onednn")
     layer = Linear(4, 4)
     layer.pack("int8", "int_mm")
     with pytest.raises(RuntimeError, match="already packed"):
@@ -170,8 +168,14 @@ def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
     plain_file = select_platform(CPU, "auto", "auto", False, int8_faster=faster(True), **kw)
     assert plain_file.weight_format != "int8" and "not quantised" in plain_file.describe()
     forced = select_platform(CPU, "float32", "int8", False, **kw)
-    assert forced.weight_format == "int8"
+    assert forced.weight_format == "int8" and forced.dtype == torch.float32
+    # int8 keeps fp32 activations; the layers left float use bf16 only where it is native.
+    assert p.dtype == torch.float32
+    native = features.native_bf16 and onednn_bf16_available()
+    assert p.float_format == ("onednn" if native else "float")
     assert select_platform(CPU, "auto", "none", True, **kw).weight_format != "int8"
+    explicit = select_platform(CPU, "bfloat16", "auto", True, int8_faster=faster(True), **kw)
+    assert (explicit.dtype, explicit.weight_format) == (torch.bfloat16, "int8")
 
 
 def test_cuda_platform_and_bad_names():

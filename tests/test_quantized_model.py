@@ -17,6 +17,7 @@ from model_fixtures import engine_for
 from daemon.engine import LoadedModel
 from daemon.engine_config import EngineConfig
 from runner.layers.linear import Linear, onednn_bf16_available, pack_linears
+from runner.platform import select_platform
 from scheduling import SamplingParams
 
 QUESTIONS = [
@@ -38,13 +39,15 @@ def fp32_greedy(fp32) -> list[list[int]]:
 
 
 def variant(base: LoadedModel, fmt: str) -> LoadedModel:
+    """A copy of the fp32 model converted the way the platform would (no second load)."""
     model = copy.deepcopy(base.model)
-    dtype = torch.float32
-    if fmt == "onednn":
-        dtype = torch.bfloat16
-        model.to(dtype)
+    if fmt == "int8":
+        platform = select_platform(torch.device("cpu"), "auto", "int8")
+        platform.prepare(model)
+        return dataclasses.replace(base, model=model, platform=platform)
+    model.to(torch.bfloat16)
     pack_linears(model, fmt)
-    return dataclasses.replace(base, model=model, dtype=dtype, platform=None)
+    return dataclasses.replace(base, model=model, dtype=torch.bfloat16, platform=None)
 
 
 def chats(loaded: LoadedModel) -> list[str]:
@@ -78,7 +81,7 @@ def test_fast_formats_agree_with_fp32(fp32, fp32_greedy, fmt):
     if fmt == "int8":
         # Every linear but the down projections (outlier inputs) runs int8, the LM head too.
         assert fast.model.lm_head.format == "int8"
-        assert all(m.format == "float" for m in layers if not m.int8_inputs)
+        assert all(m.format == fast.platform.float_format for m in layers if not m.int8_inputs)
         assert torch.equal(fast.model.embed_tokens.weight, fp32.model.embed_tokens.weight)
     ref, ours = fp32_greedy, greedy(fast)
     agree = [prefix(a, b) for a, b in zip(ref, ours)]

@@ -4,7 +4,8 @@ Formats (`Linear.pack(fmt)`):
 
 ```
 float    F.linear in the parameter's dtype (fp32 or bf16): the reference, exact vs transformers
-onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-BF16 kernels)
+onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-BF16 kernels);
+         inputs are cast to bf16 per call and outputs back to the activation dtype
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -119,6 +120,7 @@ class Linear(nn.Linear):
         self.int8_inputs = int8_inputs
         self.format = "float"
         self._onednn: torch.Tensor | None = None
+        self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
 
     def pack(
@@ -142,9 +144,10 @@ class Linear(nn.Linear):
             return
         w = self.weight.detach()
         if fmt == "onednn":
-            if w.dtype != torch.bfloat16:
-                raise ValueError(f"onednn format needs a bfloat16 weight, got {w.dtype}")
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            # bf16 weights whatever the activations: inputs are cast per call.
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+            if self.bias is not None:
+                self._onednn_bias = self.bias.detach().to(torch.bfloat16)
         else:
             kernel = int8_kernel or default_int8_kernel()
             self._int8 = Int8Weight.quantize(w, kernel, reduce_range)
@@ -159,7 +162,7 @@ class Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.format == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(
-                x2.to(torch.bfloat16), self._onednn, self.bias, "none", [], ""
+                x2.to(torch.bfloat16), self._onednn, self._onednn_bias, "none", [], ""
             ).to(x.dtype)
         else:
             assert self._int8 is not None
