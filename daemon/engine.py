@@ -102,7 +102,9 @@ class LoadedModel:
         )
         log.info("%s", platform.describe())
         t0 = time.perf_counter()
-        model, model_config = load_model(source, device, platform.dtype, lookup=load_model_class)
+        model, model_config = load_model(
+            source, device, platform.dtype, lookup=load_model_class, checkpoint=checkpoint
+        )
         platform.prepare(model)
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
