@@ -1,11 +1,14 @@
 """Offline throughput: headrace's Engine vs transformers' static batching, same model and threads.
 
     python benchmarks/offline_throughput.py [--threads N] [--requests 64] [--output-len 128]
+                                            [--dtype auto] [--quantization auto]
 
 64 requests of ~64-token prompts, 128 output tokens each (ignore_eos), on the embedded
-SmolLM2-135M-Instruct in fp32. headrace runs them through continuous batching; transformers
-runs `generate` in static batches of 16. The script also measures the machine's fp32 GEMM
-rate at the same thread count and reports which fraction of it each engine reaches.
+SmolLM2-135M-Instruct. headrace runs them through continuous batching with the platform's
+choice of dtype and weight format (`--dtype float32 --quantization none` for the exact fp32
+path); transformers runs `generate` in fp32, in static batches of 16. The script also
+measures the machine's fp32 GEMM rate at the same thread count and reports which fraction of
+it each engine reaches (in fp32-equivalent FLOPs).
 """
 
 from __future__ import annotations
@@ -14,13 +17,19 @@ import argparse
 import random
 import time
 
-import torch
+from machine import cpu_description
 
-from daemon.engine import Engine, LoadedModel
-from daemon.engine_config import EngineConfig
-from runner.model_config import ModelConfig
-from runner.model_source import resolve_model
-from scheduling import SamplingParams
+from runner.threads import set_openmp_defaults
+
+set_openmp_defaults()
+
+import torch  # noqa: E402
+
+from daemon.engine import Engine, LoadedModel  # noqa: E402
+from daemon.engine_config import EngineConfig  # noqa: E402
+from runner.model_config import ModelConfig  # noqa: E402
+from runner.model_source import resolve_model  # noqa: E402
+from scheduling import SamplingParams  # noqa: E402
 
 
 def gemm_gflops(n: int = 1024, reps: int = 20) -> float:
@@ -90,11 +99,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
+    print(cpu_description())
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.requests, args.prompt_len)
     peak = gemm_gflops()
-    loaded = LoadedModel.load(EngineConfig(device="cpu"))
+    loaded = LoadedModel.load(
+        EngineConfig(device="cpu", dtype=args.dtype, quantization=args.quantization)
+    )
+    assert loaded.platform is not None
+    print(loaded.platform.describe())
+    weights = loaded.platform.weight_format
     ours, our_ids = run_headrace(loaded, prompts, args.output_len, args.threads)
     cfg = loaded.config
     del loaded
@@ -114,7 +131,7 @@ def main() -> None:
         f"RESULT ratio={ours / theirs:.3f} headrace_tok_s={ours:.1f} "
         f"transformers_tok_s={theirs:.1f} "
         f"roofline_frac={ours_frac:.3f} transformers_roofline_frac={theirs_frac:.3f} "
-        f"threads={args.threads}"
+        f"threads={args.threads} weights={weights}"
     )
 
 

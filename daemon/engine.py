@@ -116,7 +116,9 @@ class LoadedModel:
         )
         log.info("%s", platform.describe())
         t0 = time.perf_counter()
-        model, model_config = load_model(source, device, platform.dtype, lookup=load_model_class)
+        model, model_config = load_model(
+            source, device, platform.dtype, lookup=load_model_class, checkpoint=checkpoint
+        )
         platform.prepare(model)
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
@@ -187,7 +189,8 @@ class Engine:
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         log.info(
-            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads, speculative %s",
+            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads "
+            "(OMP_WAIT_POLICY=%s), speculative %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -195,6 +198,7 @@ class Engine:
             num_blocks,
             config.block_size,
             torch.get_num_threads(),
+            os.environ.get("OMP_WAIT_POLICY", "unset"),
             f"{self.speculative.method} k={self.speculative.num_speculative_tokens}"
             if self.speculative.enabled
             else "off",

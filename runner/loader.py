@@ -35,10 +35,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     lookup: ModelClassLookup | None = None,
     max_positions: int | None = None,
+    checkpoint: GGUFModel | HFDirectory | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Instantiate the architecture and load its weights. `lookup` resolves architectures
-    that are not built in (the daemon passes the `headrace.models` plugin registry)."""
-    checkpoint = open_checkpoint(source)
+    that are not built in (the daemon passes the `headrace.models` plugin registry);
+    `checkpoint` reuses a file the caller already opened."""
+    checkpoint = checkpoint or open_checkpoint(source)
     cfg = apply_architecture_defaults(checkpoint.config())
     cls = builtin_model_class(cfg.architecture)
     if cls is None:

@@ -7,8 +7,8 @@ CudaPlatform  bf16, float weights (int8 waits for its own CUDA kernels)
 
 Rules (the CPU's flags decide, plus a start-up micro-benchmark for int8; never one
 machine's figures):
-- dtype auto: bfloat16 where the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16, and
-  torch's oneDNN agrees); float32 elsewhere (on AVX2-only CPUs bf16 matmuls are emulated and
+- dtype auto: bfloat16 where the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16);
+  float32 elsewhere (on AVX2-only CPUs bf16 matmuls are emulated and
   ran ~100x slower than fp32).
 - quantization auto: int8 on CPU when the checkpoint is already quantised (a Q4/Q8 GGUF, so
   int8 loses little more) and int8 beats the float path in a micro-benchmark on the model's
@@ -93,6 +93,9 @@ class Platform:
     # Linear weight format: "float" (F.linear), "onednn" (prepacked bf16) or "int8".
     weight_format: str
     int8_kernel: str | None = None
+    # The format of layers that stay float when the rest is int8 (see Linear.int8_inputs):
+    # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16, else "float".
+    float_format: str = "float"
     int8_reduce_range: bool = False
     features: CpuFeatures | None = None
     # Why each choice was made, for the start-up log.
@@ -104,8 +107,10 @@ class Platform:
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Convert the loaded model's linear layers to the chosen format (once)."""
-        n = pack_linears(model, self.weight_format, self.int8_kernel, self.int8_reduce_range)
-        log.info("%d linear layers in format %s", n, self.weight_format)
+        counts = pack_linears(
+            model, self.weight_format, self.int8_kernel, self.int8_reduce_range, self.float_format
+        )
+        log.info("linear layers by format: %s", counts)
 
     def describe(self) -> str:
         kernel = f" ({self.int8_kernel})" if self.weight_format == "int8" else ""
@@ -136,16 +141,13 @@ def select_platform(
         return _cuda_platform(device, dtype, quantization)
     feats = features if features is not None else CpuFeatures.detect()
     reasons = []
+    chosen = DTYPES.get(dtype, torch.bfloat16 if feats.native_bf16 else torch.float32)
     if dtype == "auto":
-        bf16 = feats.native_bf16 and onednn_bf16_available()
-        chosen = torch.bfloat16 if bf16 else torch.float32
         reasons.append(
             "dtype auto -> bfloat16 (native bf16 matmul)"
-            if bf16
+            if feats.native_bf16
             else "dtype auto -> float32 (no native bf16 matmul on this CPU)"
         )
-    else:
-        chosen = DTYPES[dtype]
     float_format = "onednn" if chosen == torch.bfloat16 and onednn_bf16_available() else "float"
     kernel = default_int8_kernel()
     fmt = float_format
@@ -165,11 +167,19 @@ def select_platform(
                 f"(quantised checkpoint; int8 {'faster' if faster else 'slower'} than "
                 f"{float_format} in the start-up micro-benchmark)"
             )
+    if fmt == "int8" and dtype == "auto" and chosen != torch.float32:
+        # NOTE: measured on SmolLM2: int8 linears with bf16 activations and KV cost +1.4%
+        # perplexity on top of int8 alone; fp32 activations cost little (int8 dominates).
+        chosen = torch.float32
+        reasons.append("int8 linears keep float32 activations and KV cache")
+    if fmt == "int8" and feats.native_bf16 and onednn_bf16_available():
+        float_format = "onednn"  # the layers int8 leaves float: bf16 weights where native
     return Platform(
         device,
         chosen,
         fmt,
         int8_kernel=kernel if fmt == "int8" else None,
+        float_format=float_format,
         int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
         features=feats,
         reasons=reasons,

@@ -4,7 +4,8 @@ Formats (`Linear.pack(fmt)`):
 
 ```
 float    F.linear in the parameter's dtype (fp32 or bf16): the reference, exact vs transformers
-onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-BF16 kernels)
+onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-BF16 kernels);
+         inputs are cast to bf16 per call and outputs back to the activation dtype
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -79,6 +80,16 @@ class Int8Weight:
             raise ValueError(f"int8 kernel {kernel!r} is not one of {', '.join(INT8_KERNELS)}")
         return cls(q, scale, kernel, packed, reduce_range)
 
+    @staticmethod
+    def _pin_row(k: int) -> torch.Tensor:
+        row = torch.zeros(1, k)
+        row[0, 0], row[0, -1] = 1.0, -1.0
+        return row
+
+    def dequantized(self) -> torch.Tensor:
+        """[N, K] fp32: the weight as the int8 kernels see it."""
+        return self.qweight.float() * self.scale[:, None]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """[M, K] float -> [M, N] fp32, with per-token activation scales."""
         x = x.float()
@@ -86,8 +97,12 @@ class Int8Weight:
         # quantises a batch whose rows all span [-1, 1], i.e. per token), and multiplied back.
         amax = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [M, 1]
         if self.kernel == "fbgemm":
-            y = torch.ops.quantized.linear_dynamic(x / amax, self.packed, self.reduce_range)
-            return y.mul_(amax)
+            # fbgemm picks one asymmetric grid from the batch's min and max; a last row
+            # holding +1 and -1 pins that grid to [-1, 1], so a row's result does not depend
+            # on what else shares its batch (the grid is then symmetric per token).
+            xn = torch.cat([x / amax, self._pin_row(x.shape[1])])  # [M + 1, K]
+            y = torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range)
+            return y[:-1].mul_(amax)
         xq = (x * (127 / amax)).round_().to(torch.int8)  # [M, K]
         acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32
         return acc.float().mul_(amax / 127).mul_(self.scale)
@@ -96,25 +111,43 @@ class Int8Weight:
 class Linear(nn.Linear):
     """nn.Linear whose weight can be converted once to a faster format (see module doc)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, int8_inputs: bool = True
+    ) -> None:
         super().__init__(in_features, out_features, bias)
+        # False where the inputs carry outlier channels that per-token int8 crushes: the
+        # layer then keeps the float format when the rest of the model goes int8.
+        self.int8_inputs = int8_inputs
         self.format = "float"
         self._onednn: torch.Tensor | None = None
+        self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
 
-    def pack(self, fmt: str, int8_kernel: str | None = None, reduce_range: bool = False) -> None:
-        """Convert the weight to `fmt`; the float weight is dropped from this module."""
+    def pack(
+        self,
+        fmt: str,
+        int8_kernel: str | None = None,
+        reduce_range: bool = False,
+        float_format: str = "float",
+    ) -> None:
+        """Convert the weight to `fmt`; the float weight is dropped from this module.
+
+        A layer built with `int8_inputs=False` takes `float_format` when asked for int8.
+        """
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
         if self.format != "float":
             raise RuntimeError(f"linear already packed as {self.format}")
+        if fmt == "int8" and not self.int8_inputs:
+            fmt = float_format
         if fmt == "float":
             return
         w = self.weight.detach()
         if fmt == "onednn":
-            if w.dtype != torch.bfloat16:
-                raise ValueError(f"onednn format needs a bfloat16 weight, got {w.dtype}")
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            # bf16 weights whatever the activations: inputs are cast per call.
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+            if self.bias is not None:
+                self._onednn_bias = self.bias.detach().to(torch.bfloat16)
         else:
             kernel = int8_kernel or default_int8_kernel()
             self._int8 = Int8Weight.quantize(w, kernel, reduce_range)
@@ -129,7 +162,7 @@ class Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if self.format == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(
-                x2.to(torch.bfloat16), self._onednn, self.bias, "none", [], ""
+                x2.to(torch.bfloat16), self._onednn, self._onednn_bias, "none", [], ""
             ).to(x.dtype)
         else:
             assert self._int8 is not None
@@ -144,12 +177,16 @@ class Linear(nn.Linear):
 
 
 def pack_linears(
-    model: nn.Module, fmt: str, int8_kernel: str | None = None, reduce_range: bool = False
-) -> int:
-    """Convert every `Linear` of `model` to `fmt`; returns how many were converted."""
-    n = 0
+    model: nn.Module,
+    fmt: str,
+    int8_kernel: str | None = None,
+    reduce_range: bool = False,
+    float_format: str = "float",
+) -> dict[str, int]:
+    """Convert every `Linear` of `model` to `fmt`; returns how many took each format."""
+    counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(fmt, int8_kernel, reduce_range)
-            n += 1
-    return n
+            module.pack(fmt, int8_kernel, reduce_range, float_format)
+            counts[module.format] = counts.get(module.format, 0) + 1
+    return counts

@@ -84,7 +84,11 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # NOTE: SiLU(gate) * up has outlier channels; per-token int8 of it cost +6% perplexity
+        # on SmolLM2 (+1.5% with this layer kept float), so it stays float under int8.
+        self.down_proj = Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=False, int8_inputs=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)

@@ -1,0 +1,211 @@
+"""Linear weight formats (float, oneDNN bf16, int8) against an fp32 reference, and the
+platform's choice of dtype and format from CPU flags injected here (every branch, any CPU).
+
+Tolerances (relative Frobenius error of the layer output vs fp32):
+- bf16 weights and activations: 1% (8-bit mantissa, fp32 accumulation);
+- int8 per-channel weights x per-token int8 activations: 2.5%.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runner.layers.linear import (
+    INT8_KERNELS,
+    Linear,
+    fbgemm_available,
+    onednn_bf16_available,
+    pack_linears,
+)
+from runner.loaders.gguf_loader import GGUFModel
+from runner.model_source import resolve_model
+from runner.platform import CpuFeatures, select_platform
+
+BF16_TOL, INT8_TOL = 0.01, 0.025
+CPU = torch.device("cpu")
+AMX = CpuFeatures.from_flags({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni"})
+ZEN3 = CpuFeatures.from_flags({"avx2", "fma"})
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def packed_copy(src: Linear, fmt: str, dtype=torch.float32, kernel=None) -> Linear:
+    layer = Linear(src.in_features, src.out_features, bias=src.bias is not None)
+    layer.load_state_dict(src.state_dict())
+    layer.to(dtype).pack(fmt, kernel)
+    return layer
+
+
+@pytest.fixture(scope="module")
+def real_weight() -> torch.Tensor:
+    """The embedded model's first gate projection (a Q4_1 tensor, dequantised), [1536, 576]."""
+    return GGUFModel(resolve_model(None).gguf_file)._tensor("blk.0.ffn_gate.weight")
+
+
+def int8_kernels() -> list[str]:
+    # fbgemm ships with torch on x86; it is deprecated, so it may go: int_mm then carries on.
+    return [k for k in INT8_KERNELS if k != "fbgemm" or fbgemm_available()]
+
+
+@pytest.mark.parametrize("kernel", int8_kernels())
+@pytest.mark.parametrize("source", ["random", "real"])
+def test_int8_linear_close_to_fp32(kernel, source, request):
+    torch.manual_seed(0)
+    if source == "real":
+        w = request.getfixturevalue("real_weight")
+        ref_layer = Linear(w.shape[1], w.shape[0], bias=False)
+        ref_layer.weight.data = w.clone()
+    else:
+        ref_layer = Linear(96, 160, bias=True)
+    x = torch.randn(7, 3, ref_layer.in_features)  # any leading shape
+    ref = ref_layer(x)
+    layer = packed_copy(ref_layer, "int8", kernel=kernel)
+    assert layer.weight is None and layer.format == "int8"
+    y = layer(x)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert rel_err(y, ref) < INT8_TOL
+
+
+@pytest.mark.parametrize("kernel", int8_kernels())
+def test_int8_activation_scales_are_per_token(kernel):
+    # A per-tensor scale would crush the small row next to a huge one; per token it keeps
+    # its own resolution, so batching does not change a request's result much.
+    torch.manual_seed(1)
+    layer = packed_copy(Linear(64, 48, bias=False), "int8", kernel=kernel)
+    small = torch.randn(1, 64) * 0.01
+    huge = torch.randn(1, 64) * 1000
+    alone = layer(small)
+    batched = layer(torch.cat([small, huge]))[:1]
+    assert rel_err(batched, alone) < 0.02
+    assert rel_err(alone, small @ layer._int8.dequantized().t()) < INT8_TOL
+
+
+@pytest.mark.parametrize("source", ["random", "real"])
+def test_bf16_linear_close_to_fp32(source, request):
+    torch.manual_seed(0)
+    if source == "real":
+        w = request.getfixturevalue("real_weight")
+        ref_layer = Linear(w.shape[1], w.shape[0], bias=False)
+        ref_layer.weight.data = w.clone()
+    else:
+        ref_layer = Linear(96, 160, bias=True)
+    x = torch.randn(5, ref_layer.in_features)
+    ref = ref_layer(x)
+    # F.linear in bf16 runs on every CPU (slowly where bf16 is emulated).
+    plain = packed_copy(ref_layer, "float", torch.bfloat16)
+    assert rel_err(plain(x.bfloat16()), ref) < BF16_TOL
+    if onednn_bf16_available():
+        fast = packed_copy(ref_layer, "onednn", torch.bfloat16)
+        y = fast(x.bfloat16())
+        assert y.dtype == torch.bfloat16 and fast.weight is None
+        assert rel_err(y, ref) < BF16_TOL
+    else:
+        # Without oneDNN bf16 the platform never asks for this format (tested below).
+        p = select_platform(CPU, "bfloat16", "none", features=AMX)
+        assert p.weight_format == "float"
+
+
+def test_pack_checks_its_input():
+    with pytest.raises(ValueError, match="weight format 'int4'"):
+        Linear(4, 4).pack("int4")
+    layer = Linear(4, 4)
+    layer.pack("int8", "int_mm")
+    with pytest.raises(RuntimeError, match="already packed"):
+        layer.pack("int8")
+
+
+def test_tied_lm_head_quantised_embedding_exact():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.head = Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    before = model.embed.weight.detach().clone()
+    assert pack_linears(model, "int8", "int_mm") == {"int8": 1}
+    assert torch.equal(model.embed.weight, before)  # the lookup stays exact
+    assert model.head.weight is None
+    x = torch.randn(3, 16)
+    assert rel_err(model.head(x), x @ before.t()) < INT8_TOL
+
+
+# -- the platform's choice ------------------------------------------------------------
+
+
+def test_dtype_auto_follows_the_cpu_flags():
+    amx = select_platform(CPU, "auto", "none", features=AMX)
+    assert amx.dtype == torch.bfloat16
+    assert amx.weight_format == ("onednn" if onednn_bf16_available() else "float")
+    avx512_bf16 = CpuFeatures.from_flags({"avx2", "avx512f", "avx512_bf16"})
+    assert select_platform(CPU, "auto", "none", features=avx512_bf16).dtype == torch.bfloat16
+    zen3 = select_platform(CPU, "auto", "none", features=ZEN3)
+    assert (zen3.dtype, zen3.weight_format) == (torch.float32, "float")
+    assert "no native bf16" in zen3.describe()
+    forced = select_platform(CPU, "float32", "none", features=AMX)
+    assert (forced.dtype, forced.weight_format) == (torch.float32, "float")
+
+
+@pytest.mark.parametrize("features", [AMX, ZEN3], ids=["amx", "zen3"])
+def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
+    def faster(answer: bool):
+        return lambda dtype, fmt: answer
+
+    kw = dict(features=features)
+    p = select_platform(CPU, "auto", "auto", True, int8_faster=faster(True), **kw)
+    assert p.weight_format == "int8" and p.int8_kernel in INT8_KERNELS
+    # fbgemm without VNNI needs 7-bit activations (int16 saturation); with VNNI it does not.
+    assert p.int8_reduce_range == (p.int8_kernel == "fbgemm" and not features.vnni)
+    lost = select_platform(CPU, "auto", "auto", True, int8_faster=faster(False), **kw)
+    assert lost.weight_format != "int8" and "slower" in lost.describe()
+    plain_file = select_platform(CPU, "auto", "auto", False, int8_faster=faster(True), **kw)
+    assert plain_file.weight_format != "int8" and "not quantised" in plain_file.describe()
+    forced = select_platform(CPU, "float32", "int8", False, **kw)
+    assert forced.weight_format == "int8" and forced.dtype == torch.float32
+    # int8 keeps fp32 activations; the layers left float use bf16 only where it is native.
+    assert p.dtype == torch.float32
+    native = features.native_bf16 and onednn_bf16_available()
+    assert p.float_format == ("onednn" if native else "float")
+    assert select_platform(CPU, "auto", "none", True, **kw).weight_format != "int8"
+    explicit = select_platform(CPU, "bfloat16", "auto", True, int8_faster=faster(True), **kw)
+    assert (explicit.dtype, explicit.weight_format) == (torch.bfloat16, "int8")
+
+
+def test_cuda_platform_and_bad_names():
+    cuda = select_platform(torch.device("cuda"), "auto", "auto", True)
+    assert (cuda.name, cuda.dtype, cuda.weight_format) == ("CudaPlatform", torch.bfloat16, "float")
+    with pytest.raises(ValueError, match="no CUDA kernels"):
+        select_platform(torch.device("cuda"), "auto", "int8")
+    with pytest.raises(ValueError, match="dtype: 'fp8'"):
+        select_platform(CPU, "fp8", "none")
+    with pytest.raises(ValueError, match="quantization: 'int4'"):
+        select_platform(CPU, "auto", "int4")
+
+
+def test_cpu_features_from_flags():
+    assert AMX.native_bf16 and AMX.vnni and AMX.names() == "avx2+avx512+avx512_bf16+amx_bf16+vnni"
+    assert not ZEN3.native_bf16 and ZEN3.names() == "avx2"
+    assert CpuFeatures.detect().avx2 == ("avx2" in Path("/proc/cpuinfo").read_text())
+
+
+def test_serve_options_reach_the_engine_config():
+    from daemon.serve_config import parse_serve_args
+
+    cfg = parse_serve_args(["--dtype", "bfloat16", "--quantization", "int8"], environ={})
+    assert (cfg.engine.dtype, cfg.engine.quantization) == ("bfloat16", "int8")
+    env = parse_serve_args([], environ={"HEADRACE_QUANTIZATION": "none"})
+    assert env.engine.quantization == "none"
+
+
+def test_int8_keeps_outlier_layers_in_the_float_format():
+    layer = Linear(8, 8, bias=False, int8_inputs=False)
+    layer.to(torch.bfloat16)
+    layer.pack("int8", float_format="float")
+    assert layer.format == "float" and layer.weight is not None
