@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Run `transformers serve` (continuous batching, CPU, fp32) in the foreground: run_transformers.sh PORT
+# Run `transformers serve` (CPU, fp32) in the foreground: run_transformers.sh PORT
+# TRANSFORMERS_SERVE_FLAGS=--continuous-batching turns on its paged continuous batching; here
+# (transformers 5.24, CPU) that server died silently on the first streamed completion.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 PORT="${1:?usage: run_transformers.sh PORT}"
@@ -9,4 +11,4 @@ MODEL="$PEERS_DIR/smollm2-hf"
     || die "transformers serve is not set up under $DEST: run benchmarks/peers/setup_transformers.sh"
 say "transformers serve on :$PORT with $MODEL"
 exec "$DEST/venv/bin/transformers" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-    --device cpu --dtype float32 --continuous-batching
+    --device cpu --dtype float32 ${TRANSFORMERS_SERVE_FLAGS:-}

@@ -119,6 +119,8 @@ class LaunchedPeer:
     def __init__(self, name: str, headrace_args: str, log_dir: Path) -> None:
         self.name = name
         self.port = _free_port()
+        # transformers serve answers 422 to the (non-OpenAI) ignore_eos field.
+        self.accepts_ignore_eos = name != "transformers"
         if name == "headrace":
             cmd = [
                 sys.executable,
@@ -296,6 +298,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
                 peer.wait_ready(args.startup_timeout)
                 url = peer.url
             ep = make_endpoint(args, url, None)
+            if peer is not None and ep.ignore_eos and not peer.accepts_ignore_eos:
+                print(f"[{name}] no ignore_eos support: outputs may end early", flush=True)
+                ep.ignore_eos = False
             points = []
             for level in levels:
                 n = args.prompts_per_level or max(
