@@ -447,6 +447,9 @@ class Engine:
             for p, sp, g in zip(prompts, per_params, per_grammar, strict=True)
         ]
         results = {rid: Completion(rid) for rid in ids}
+        # Offline, the batch starts together once its grammars are compiled: the steps
+        # (and so the outputs) do not depend on how fast the compile threads were.
+        self.grammars.wait_compiled()
         while self.has_unfinished_requests():
             for d in self.step():
                 c = results.get(d.request_id)

@@ -10,6 +10,7 @@ Only the engine loop's thread calls this; compilation runs on grammars/' thread 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -51,6 +52,13 @@ class GrammarRequests:
         """Start compiling `req`'s grammar; `req` must be in WAITING_FOR_GRAMMAR."""
         self._waiting[req.request_id] = (req, self.compiler.submit(spec), time.monotonic())
         self.num_requests += 1
+
+    def wait_compiled(self) -> None:
+        """Block until every submitted grammar has compiled or failed (or hit its limit)."""
+        for _, future, _ in list(self._waiting.values()):
+            # A failure is poll()'s to report, with its request.
+            with contextlib.suppress(Exception):
+                future.result(timeout=self.compiler.time_limit_s)
 
     def poll(self) -> list[tuple[Request, str]]:
         """Release the requests whose grammar is ready; return those that failed, with why.
