@@ -24,11 +24,11 @@ from daemon.openai_protocol import (
     parse_request,
 )
 from daemon.responses import ResponseBuilder
-from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
+from daemon.structured_output import WARNING_HEADER, Constraint
 from daemon.tool_parsers import ToolParser, load_tool_parser
 from daemon.tools import (
     ToolRequest,
-    parse_tools,
+    parse_output_rules,
     prepare_chat,
     rewrite_message,
     stream_tool_calls,
@@ -135,14 +135,7 @@ class APIServer:
                 "model",
                 kind="not_found_error",
             )
-        constraint = parse_constraint(body)
-        tools = parse_tools(body) if chat else None
-        if tools is not None and tools.constraint is not None:
-            if constraint is not None:
-                raise APIError(
-                    400, f"tool_choice, {constraint.param}: only one output constraint per request"
-                )
-            constraint = tools.constraint
+        constraint, tools = parse_output_rules(body, chat)
         prompts = [self._chat_prompt(body, tools)] if chat else req.prompts
         choices = self._add(req, prompts, constraint.spec if constraint else None)
         headers = _warning_headers(constraint)
