@@ -13,6 +13,7 @@ set (tests/structured_cases.py), cold (fresh compiler) and cached. Ends with a R
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,8 @@ RECORDS = {
     },
     "required": ["people"],
 }
+# Progress shows at once when the output is piped.
+print = functools.partial(print, flush=True)
 TOPICS = ["a football team", "a book club", "a family", "a startup", "a choir", "a lab"]
 
 
