@@ -34,12 +34,12 @@ from daemon.openai_protocol import (
 from daemon.overload import CapacityEstimate
 from daemon.responses import ResponseBuilder
 from daemon.spec_metrics import spec_log_fields
-from daemon.structured_output import WARNING_HEADER, Constraint, parse_constraint
+from daemon.structured_output import WARNING_HEADER, Constraint
 from daemon.tokenizing import Tokenizing
 from daemon.tool_parsers import ToolParser, load_tool_parser
 from daemon.tools import (
     ToolRequest,
-    parse_tools,
+    parse_output_rules,
     prepare_chat,
     rewrite_message,
     stream_tool_calls,
@@ -153,14 +153,7 @@ class APIServer:
                 "model",
                 kind="not_found_error",
             )
-        constraint = parse_constraint(body)
-        tools = parse_tools(body) if chat else None
-        if tools is not None and tools.constraint is not None:
-            if constraint is not None:
-                raise APIError(
-                    400, f"tool_choice, {constraint.param}: only one output constraint per request"
-                )
-            constraint = tools.constraint
+        constraint, tools = parse_output_rules(body, chat)
         if chat:
             messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
             prompts: list[list[int]] = [await self.tokenizing.chat(messages, template_tools)]

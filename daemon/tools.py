@@ -22,10 +22,13 @@ from typing import Any, Literal
 import orjson
 
 from daemon.openai_protocol import APIError
-from daemon.structured_output import Constraint, schema_spec
+from daemon.structured_output import Constraint, parse_constraint, schema_spec
 from daemon.tool_parsers import ParsedToolCall, ToolParser, parse_call_json
 
 ToolMode = Literal["none", "auto", "required", "named"]
+# Body fields read here (chat), and message fields passed through (for allow-lists).
+REQUEST_FIELDS = ("tools", "tool_choice")
+MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 @dataclass(slots=True)
@@ -43,6 +46,23 @@ class ToolRequest:
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
+
+
+def parse_output_rules(
+    body: dict[str, Any], chat: bool
+) -> tuple[Constraint | None, ToolRequest | None]:
+    """The request's one output constraint (a forced tool call counts) and its tools."""
+    constraint = parse_constraint(body)
+    tools = parse_tools(body) if chat else None
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                400,
+                f"tool_choice, {constraint.param}: only one output constraint per request",
+                "tool_choice",
+            )
+        constraint = tools.constraint
+    return constraint, tools
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:

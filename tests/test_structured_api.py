@@ -135,8 +135,8 @@ def test_daemon_keeps_serving_after_bad_grammars_and_frees_every_block(daemon, c
     )
     assert comp.choices[0].text == "ok"
     assert daemon.metric("headrace_kv_cache_usage") == 0
-    assert daemon.metric("headrace_grammar_cache_misses") >= 1
-    assert daemon.metric("headrace_constrained_requests") >= 4
+    assert daemon.metric("headrace_grammar_cache_misses_total") >= 1
+    assert daemon.metric("headrace_constrained_requests_total") >= 4
     assert daemon.metric("headrace_grammar_compile_seconds_count") >= 1
     assert "KV cache check failed" not in daemon.log.read_text()
 
