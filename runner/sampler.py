@@ -168,20 +168,3 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
             alts = dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}
             out[i] = (row[token_ids[i]].item(), alts)
     return SampleResult(token_ids, out)
-
-
-def verify_greedy_drafts(target_ids: list[int], drafts: list[int]) -> list[int]:
-    """Accepted drafts plus one token from the target model, for greedy requests.
-
-    `target_ids[j]` is the target's own choice at draft position j (len(drafts) + 1 of them).
-    A draft is accepted while it equals the target's choice; the first disagreement is
-    replaced by the target's token, and if all agree the target adds a bonus token. The
-    output is then exactly what plain greedy decoding would produce.
-    """
-    out = []
-    for j, draft in enumerate(drafts):
-        out.append(target_ids[j])
-        if draft != target_ids[j]:
-            return out
-    out.append(target_ids[len(drafts)])
-    return out

@@ -7,7 +7,6 @@ from runner.sampler import (
     SamplingBatch,
     apply_token_bitmask,
     sample,
-    verify_greedy_drafts,
 )
 from scheduling import SamplingParams
 
@@ -110,9 +109,3 @@ def test_bitmask_allows_only_set_bits():
     masked = batch([SamplingParams()] * 2)
     masked.bitmask = mask
     assert sample(torch.randn(2, 40), masked).token_ids == [3, 34]
-
-
-def test_greedy_draft_verification():
-    assert verify_greedy_drafts([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all + bonus
-    assert verify_greedy_drafts([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # first miss replaced
-    assert verify_greedy_drafts([1], []) == [1]
