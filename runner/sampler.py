@@ -1,4 +1,4 @@
-"""Batched sampling: logits processors, greedy/random sampling, logprobs, draft verification.
+"""Batched sampling: logits processors, greedy/random sampling, logprobs, grammar bitmask.
 
 One row per sampling position. Everything is vectorised over the batch; only requests
 with their own seed draw their noise from their own generator (so a seeded request gives
