@@ -425,7 +425,7 @@ class Engine:
             out.num_prompt_tokens,
             completion_tokens,
             out.num_cached_tokens,
-            out.spec_stats if self.speculative.enabled else None,
+            spec_stats=out.spec_stats if self.speculative.enabled else None,
         )
 
     # -- scripts -------------------------------------------------------------------------

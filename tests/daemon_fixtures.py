@@ -77,6 +77,12 @@ class Daemon:
             "1",
             "--kv-cache-memory",
             str(96 << 20),
+            # The exact path: tests compare outputs across batch compositions, which bf16 and
+            # int8 matmuls do not promise (their kernels block differently by batch size).
+            "--dtype",
+            "float32",
+            "--quantization",
+            "none",
             *args,
         ]
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, **(env or {})}

@@ -50,7 +50,9 @@ def build_tiny_model_dir(directory: Path) -> Path:
 
 
 def load_tiny(directory: Path) -> LoadedModel:
-    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+    return LoadedModel.load(
+        EngineConfig(model=str(directory), device="cpu", dtype="float32", quantization="none")
+    )
 
 
 def make_engine(loaded: LoadedModel, **cfg: Any) -> Engine:

@@ -36,7 +36,9 @@ class CountingTokens(DeviceTokens):
 def tiny_llama(tmp_path_factory) -> LoadedModel:
     directory = tmp_path_factory.mktemp("llama")
     make_tiny_hf_model("llama", directory)
-    return LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+    return LoadedModel.load(
+        EngineConfig(model=str(directory), device="cpu", dtype="float32", quantization="none")
+    )
 
 
 def test_only_plain_greedy_stays_on_the_device() -> None:

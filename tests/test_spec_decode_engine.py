@@ -26,7 +26,9 @@ from scheduling import SamplingParams
 def tiny(tmp_path_factory) -> tuple[torch.nn.Module, LoadedModel]:
     directory = tmp_path_factory.mktemp("spec-llama")
     hf = make_tiny_hf_model("llama-plain", directory)
-    return hf, LoadedModel.load(EngineConfig(model=str(directory), device="cpu"))
+    return hf, LoadedModel.load(
+        EngineConfig(model=str(directory), device="cpu", dtype="float32", quantization="none")
+    )
 
 
 class OracleProposer:

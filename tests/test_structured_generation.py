@@ -31,7 +31,7 @@ PLAIN = ["What is the capital of France?", "Name a fruit."]
 
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
-    return LoadedModel.load(EngineConfig(device="cpu"))
+    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
 
 
 def chat_ids(loaded: LoadedModel, text: str) -> list[int]:

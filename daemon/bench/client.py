@@ -149,7 +149,11 @@ async def send(
 # Server counters: the names each engine exports for the same thing. headrace's come from
 # daemon/metrics.py; vLLM V1 and llama.cpp names are the ones their /metrics pages use.
 SERVER_METRICS: dict[str, tuple[str, ...]] = {
-    "preemptions": ("headrace_preemptions", "vllm:num_preemptions_total"),
+    "preemptions": (
+        "headrace_preemptions_total",
+        "headrace_preemptions",
+        "vllm:num_preemptions_total",
+    ),
     "kv_usage": (
         "headrace_kv_cache_usage",
         "vllm:kv_cache_usage_perc",
@@ -157,7 +161,11 @@ SERVER_METRICS: dict[str, tuple[str, ...]] = {
         "llamacpp:kv_cache_usage_ratio",
     ),
     "prefix_hit_rate": ("headrace_prefix_cache_hit_rate",),
-    "prefix_queries": ("headrace_prefix_cache_queries_tokens", "vllm:prefix_cache_queries_total"),
+    "prefix_queries": (
+        "headrace_prefix_cache_queries_tokens_total",
+        "headrace_prefix_cache_queries_tokens",
+        "vllm:prefix_cache_queries_total",
+    ),
     "prefix_hits": ("vllm:prefix_cache_hits_total",),
 }
 

@@ -67,7 +67,8 @@ async def test_full_queue_answers_429_with_an_integer_retry_after(tiny):
     async with api_client(tiny, max_num_seqs=1, max_waiting=1) as (client, _):
         for _ in range(3):  # some history for the rate
             await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
-        long = {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True}
+        # Long enough that the first two are still queued when the third arrives.
+        long = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
         first = asyncio.create_task(client.post("/v1/completions", json=long))
         await asyncio.sleep(0.2)
         second = asyncio.create_task(client.post("/v1/completions", json=long))
