@@ -68,7 +68,7 @@ async def test_full_queue_answers_429_with_an_integer_retry_after(tiny):
         for _ in range(3):  # some history for the rate
             await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         # Long enough that the first two are still queued when the third arrives.
-        long = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+        long = {"prompt": "Hi", "max_tokens": 250, "ignore_eos": True}
         first = asyncio.create_task(client.post("/v1/completions", json=long))
         await asyncio.sleep(0.2)
         second = asyncio.create_task(client.post("/v1/completions", json=long))
