@@ -18,15 +18,6 @@ from daemon.openai_protocol import APIError
 from grammars import GrammarError, GrammarSpec
 
 WARNING_HEADER = "X-Headrace-Warning"
-# Body fields read here (for allow-lists of known fields).
-REQUEST_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
 
 
 @dataclass(slots=True)

@@ -27,8 +27,6 @@ from daemon.tool_parsers import ParsedToolCall, ToolParser, parse_call_json
 
 ToolMode = Literal["none", "auto", "required", "named"]
 # Body fields read here (chat), and message fields passed through (for allow-lists).
-REQUEST_FIELDS = ("tools", "tool_choice")
-MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 @dataclass(slots=True)
