@@ -26,7 +26,6 @@ from daemon.structured_output import Constraint, parse_constraint, schema_spec
 from daemon.tool_parsers import ParsedToolCall, ToolParser, parse_call_json
 
 ToolMode = Literal["none", "auto", "required", "named"]
-# Body fields read here (chat), and message fields passed through (for allow-lists).
 
 
 @dataclass(slots=True)
