@@ -59,7 +59,7 @@ def test_constrained_greedy_with_speculation_equals_without(tiny):
 def test_constrained_speculation_across_forced_preemption(tiny):
     cfg = dict(block_size=4, max_num_batched_tokens=24, long_prefill_token_threshold=8)
     per_block = 2 * 4 * tiny.config.kv_size * 4 * tiny.config.num_hidden_layers
-    cfg["kv_cache_memory"] = 12 * per_block
+    cfg["kv_cache_memory"] = 24 * per_block
     want, _ = run(tiny, speculate=False, **cfg)
     got, engine = run(tiny, speculate=True, **cfg)
     assert got == want
