@@ -305,12 +305,9 @@ class Engine:
     def schedule(self) -> SchedulerOutput:
         """Release requests whose grammar is ready (or failed), then schedule a step."""
         for req, error in self.grammars.poll():
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
-            self._detokenizers.pop(req.request_id, None)
-            self._pending.append(
-                Delta(req.request_id, "", [], "error", error, bad_request=error,
-                      prompt_tokens=req.num_prompt_tokens)
-            )  # fmt: skip
+            delta = self._end_with_error(req.request_id, error)
+            delta.bad_request, delta.prompt_tokens = error, req.num_prompt_tokens
+            self._pending.append(delta)
         return self.scheduler.schedule()
 
     def step(self) -> list[Delta]:
@@ -345,10 +342,13 @@ class Engine:
         if not ids:
             return []
         log.error("ending %d request(s) after a fault of their own: %s", len(ids), failed)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        for rid in ids:
-            self._detokenizers.pop(rid, None)
-        return [Delta(rid, "", [], "error", failed[rid]) for rid in ids]
+        return [self._end_with_error(rid, failed[rid]) for rid in ids]
+
+    def _end_with_error(self, rid: str, why: str) -> Delta:
+        """Finish one request FINISHED_ERROR (its blocks freed untrusted) and say why."""
+        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        self._detokenizers.pop(rid, None)
+        return Delta(rid, "", [], "error", why)
 
     def _delta_isolated(self, out: RequestOutput) -> Delta:
         """`_delta`, but a detokenizer (or stop-check) fault ends this request alone."""
@@ -356,9 +356,7 @@ class Engine:
             return self._delta(out)
         except Exception as e:  # attributable to this request only
             log.error("detokenizing %s failed", out.request_id, exc_info=True)
-            self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_ERROR)
-            self._detokenizers.pop(out.request_id, None)
-            return Delta(out.request_id, "", [], "error", f"detokenizing failed: {e!r}")
+            return self._end_with_error(out.request_id, f"detokenizing failed: {e!r}")
 
     def release_finished(self) -> None:
         """When idle: let the runner drop the state of requests that ended in the last step.
