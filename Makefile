@@ -22,8 +22,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (CI has two cores; most tests use one thread), files kept whole so that
+# module-scoped models load once; the slowest tests are listed for whoever trims next.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 serve: setup
 	$(VENV)/bin/headrace serve

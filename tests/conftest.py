@@ -138,6 +138,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2 on the exact fp32 path, loaded once (engines share its weights)."""
+    from daemon.engine import LoadedModel
+    from daemon.engine_config import EngineConfig
+
+    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template (the API
     tests in tests/reliability/ run on it)."""

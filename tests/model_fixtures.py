@@ -14,8 +14,17 @@ from runner.model_source import resolve_model
 def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' own greedy decoding of exactly n tokens, EOS included as a token.
 
-    NOTE: not min_new_tokens, which would forbid EOS instead of ignoring it.
+    NOTE: not min_new_tokens, which would forbid EOS instead of ignoring it. Memoised on the
+    model object: several tests ask transformers the same question.
     """
+    memo = hf_model.__dict__.setdefault("_headrace_greedy", {})
+    key = (tuple(prompt_ids), n)
+    if key not in memo:
+        memo[key] = _hf_generate(hf_model, prompt_ids, n)
+    return list(memo[key])
+
+
+def _hf_generate(hf_model: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
     hf_model.generation_config.eos_token_id = None
     out = hf_model.generate(
         torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0

@@ -153,9 +153,11 @@ async def test_32_concurrent_streams_match_each_prompt_alone(daemon, model):
         return "".join([part.choices[0].text async for part in stream])
 
     together = await asyncio.gather(*(run(p) for p in prompts))
-    alone = [await run(p) for p in prompts]
-    assert together == alone
-    assert all(together)
+    # Alone, a spread of them: each must equal its own row of the 32-wide batch.
+    picked = range(0, 32, 5)
+    alone = [await run(prompts[i]) for i in picked]
+    assert [together[i] for i in picked] == alone
+    assert all(together) and len(set(together)) > 1
 
 
 def test_health_answers_fast_while_a_long_batch_runs(daemon, model):
@@ -166,12 +168,12 @@ def test_health_answers_fast_while_a_long_batch_runs(daemon, model):
                 c.completions.create(
                     model=model,
                     prompt=f"Story {i}:",
-                    max_tokens=60,
+                    max_tokens=40,
                     temperature=0,
                     extra_body={"ignore_eos": True},
                 )
             )
-            for i in range(24)
+            for i in range(16)
         ]
         await asyncio.sleep(1.0)  # the batch is decoding now
         lags = []

@@ -15,7 +15,6 @@ import torch
 from model_fixtures import engine_for
 
 from daemon.engine import LoadedModel
-from daemon.engine_config import EngineConfig
 from runner.layers.linear import Linear, onednn_bf16_available, pack_linears
 from runner.platform import select_platform
 from scheduling import SamplingParams
@@ -29,13 +28,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def fp32() -> LoadedModel:
-    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
-
-
-@pytest.fixture(scope="module")
-def fp32_greedy(fp32) -> list[list[int]]:
-    return greedy(fp32)
+def fp32_greedy(smollm) -> list[list[int]]:
+    return greedy(smollm)
 
 
 def variant(base: LoadedModel, fmt: str) -> LoadedModel:
@@ -72,17 +66,17 @@ def prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["int8", "onednn"])
-def test_fast_formats_agree_with_fp32(fp32, fp32_greedy, fmt):
+def test_fast_formats_agree_with_fp32(smollm, fp32_greedy, fmt):
     if fmt == "onednn" and not onednn_bf16_available():
         fmt = "float"  # bf16 through F.linear: the same dtype path, where oneDNN lacks bf16
-    fast = variant(fp32, fmt)
+    fast = variant(smollm, fmt)
     layers = [m for m in fast.model.modules() if isinstance(m, Linear)]
     assert {m.format for m in layers} >= {fmt}
     if fmt == "int8":
         # Every linear but the down projections (outlier inputs) runs int8, the LM head too.
         assert fast.model.lm_head.format == "int8"
         assert all(m.format == fast.platform.float_format for m in layers if not m.int8_inputs)
-        assert torch.equal(fast.model.embed_tokens.weight, fp32.model.embed_tokens.weight)
+        assert torch.equal(fast.model.embed_tokens.weight, smollm.model.embed_tokens.weight)
     ref, ours = fp32_greedy, greedy(fast)
     agree = [prefix(a, b) for a, b in zip(ref, ours)]
     assert sum(a >= 4 for a in agree) >= 3, agree  # floor: 3 of 4 answers start alike

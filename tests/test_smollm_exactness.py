@@ -7,7 +7,6 @@ import torch
 from model_fixtures import engine_for, hf_greedy, load_hf_smollm
 
 from daemon.engine import LoadedModel
-from daemon.engine_config import EngineConfig
 from runner.attention import build_metadata
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams
@@ -27,11 +26,6 @@ SYSTEM = (
     "sources, and never invent book titles. If you do not know, say so plainly."
 )
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def smollm() -> LoadedModel:
-    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from structured_cases import ARITHMETIC, CHOICES, REGEXES, SCHEMAS, SQL
 
 from daemon.async_engine import AsyncEngine
 from daemon.engine import Completion, LoadedModel
-from daemon.engine_config import EngineConfig
 from grammars import GrammarSpec
 from runner.model_runner import kv_bytes_per_block
 from scheduling import RequestStatus, SamplingParams
@@ -27,11 +26,6 @@ from scheduling import RequestStatus, SamplingParams
 SEEDS = (1, 2, 3)
 MAX_TOKENS = 120
 PLAIN = ["What is the capital of France?", "Name a fruit."]
-
-
-@pytest.fixture(scope="module")
-def smollm() -> LoadedModel:
-    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
 
 
 def chat_ids(loaded: LoadedModel, text: str) -> list[int]:
