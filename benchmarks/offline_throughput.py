@@ -17,19 +17,14 @@ import argparse
 import random
 import time
 
+import torch
 from machine import cpu_description
 
-from runner.threads import set_openmp_defaults
-
-set_openmp_defaults()
-
-import torch  # noqa: E402
-
-from daemon.engine import Engine, LoadedModel  # noqa: E402
-from daemon.engine_config import EngineConfig  # noqa: E402
-from runner.model_config import ModelConfig  # noqa: E402
-from runner.model_source import resolve_model  # noqa: E402
-from scheduling import SamplingParams  # noqa: E402
+from daemon.engine import Engine, LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.model_config import ModelConfig
+from runner.model_source import resolve_model
+from scheduling import SamplingParams
 
 
 def gemm_gflops(n: int = 1024, reps: int = 20) -> float:

@@ -20,19 +20,15 @@ import importlib.metadata
 import math
 from pathlib import Path
 
-from runner.threads import set_openmp_defaults
+import torch
+import torch.nn.functional as F
+from machine import cpu_description
 
-set_openmp_defaults()
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from machine import cpu_description  # noqa: E402
-
-from daemon.engine import Engine, LoadedModel  # noqa: E402
-from daemon.engine_config import EngineConfig  # noqa: E402
-from runner.attention import build_metadata  # noqa: E402
-from runner.model_runner import ModelRunner  # noqa: E402
-from scheduling import SamplingParams  # noqa: E402
+from daemon.engine import Engine, LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.attention import build_metadata
+from runner.model_runner import ModelRunner
+from scheduling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
 VARIANTS = {

@@ -18,19 +18,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
-from runner.threads import set_openmp_defaults
+import torch
+from machine import cpu_description
 
-set_openmp_defaults()
-
-import torch  # noqa: E402
-from machine import cpu_description  # noqa: E402
-
-import runner.model_runner as model_runner  # noqa: E402
-import runner.models.decoder as decoder  # noqa: E402
-from daemon.engine import Engine, LoadedModel  # noqa: E402
-from daemon.engine_config import EngineConfig  # noqa: E402
-from runner.layers.linear import Linear  # noqa: E402
-from scheduling import SamplingParams  # noqa: E402
+from daemon.engine import Engine, LoadedModel
+from daemon.engine_config import EngineConfig
+from runner.attention_backends import TorchAttentionBackend
+from runner.layers.linear import Linear
+from runner.model_runner import ModelRunner
+from scheduling import SamplingParams
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 
@@ -48,24 +44,23 @@ def timed(name: str, fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def instrumented() -> Iterator[None]:
-    """Wrap the step's parts where they are looked up (module globals, the Linear class)."""
+    """Wrap the step's parts where they are looked up (the attention backend, the runner's
+    sampling, the Linear class)."""
     patches = [
-        (model_runner, "build_metadata"),
-        (model_runner, "sample"),
-        (decoder, "paged_attention"),
-        (decoder, "write_kv"),
+        (TorchAttentionBackend, "build_metadata", "build_metadata"),
+        (TorchAttentionBackend, "write_kv", "write_kv"),
+        (TorchAttentionBackend, "forward", "paged_attention"),
+        (ModelRunner, "_sample", "sample"),
+        (Linear, "forward", "linear"),
     ]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in patches]
-    for mod, name, fn in saved:
-        setattr(mod, name, timed(name, fn))
-    linear_forward = Linear.forward
-    Linear.forward = timed("linear", linear_forward)
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for (owner, attr, fn), (_, _, label) in zip(saved, patches, strict=True):
+        setattr(owner, attr, timed(label, fn))
     try:
         yield
     finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
-        Linear.forward = linear_forward
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
 
 
 def profile(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[str, float]:

@@ -1,12 +1,18 @@
-"""Threads and OpenMP wait policy: decode step time per setting, each in its own process.
+"""Threads and OpenMP wait settings: decode step time per setting, each in its own process.
 
     python benchmarks/threads_check.py [--batch 1 8] [--busy]
 
-For threads in {1, all cores} x OMP_WAIT_POLICY in {PASSIVE, unset (libgomp spins)}, a fresh
-process loads the embedded model (--dtype/--quantization as given, default auto), prefills
-`batch` requests and times 20 decode steps (median). `--busy` also runs a pure-Python busy
-loop on one core meanwhile, as the event loop or a neighbour would. The rule in
-runner/threads.py (all cores, PASSIVE) should never be far from the best row.
+For threads in {1, all cores} x the OpenMP wait settings below, a fresh process loads the
+embedded model (--dtype/--quantization as given, default auto), prefills `batch` requests and
+times 20 decode steps (median). `--busy` also runs a pure-Python busy loop on one core
+meanwhile, as a neighbour would. "governed" is the engine's default: libgomp spinning, with
+runner/thread_governor.py dropping to one thread while a core is taken. It should never be
+far from the best row, quiet or busy.
+
+    passive     OMP_WAIT_POLICY=PASSIVE: idle workers sleep at once (a futex wake per region)
+    spin        libgomp's default: spin ~300k rounds, then sleep (governor off)
+    short-spin  GOMP_SPINCOUNT=10000: spin through the gaps between a forward's ops only
+    governed    spin, with the thread governor on (the engine's default)
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from daemon.engine import Engine, LoadedModel
 from daemon.engine_config import EngineConfig
 from scheduling import SamplingParams
 threads, batch, dtype, quant = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+governed = sys.argv[5] == "1"
 cfg = EngineConfig(device="cpu", threads=threads, dtype=dtype, quantization=quant,
-                   kv_cache_memory=256 << 20)
+                   kv_cache_memory=256 << 20, thread_governor=governed)
 engine = Engine(cfg, LoadedModel.load(cfg))
 params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 for i in range(batch):
@@ -38,6 +45,15 @@ for _ in range(20):
     t = time.perf_counter(); engine.step(); times.append(time.perf_counter() - t)
 print(statistics.median(times) * 1e3)
 """
+
+
+# name -> (environment, governor on)
+SETTINGS: dict[str, tuple[dict[str, str], bool]] = {
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, False),
+    "spin": ({}, False),
+    "short-spin": ({"GOMP_SPINCOUNT": "10000"}, False),
+    "governed": ({}, True),
+}
 
 
 def busy_loop(seconds: float) -> subprocess.Popen:
@@ -57,28 +73,30 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         for threads in sorted({1, cores}):
-            for policy in ("PASSIVE", None):
+            for setting, (extra, governed) in SETTINGS.items():
+                if governed and threads == 1:
+                    continue
                 env = dict(os.environ)
-                env.pop("OMP_WAIT_POLICY", None)
-                if policy:
-                    env["OMP_WAIT_POLICY"] = policy
+                for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+                    env.pop(var, None)
+                env.update(extra)
                 neighbour = busy_loop(600) if args.busy else None
                 t = time.perf_counter()
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, str(threads), str(batch), args.dtype,
-                     args.quantization],
+                     args.quantization, str(int(governed))],
                     env=env, capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 if neighbour:
                     neighbour.kill()
                 step_ms = float(out.stdout.split()[-1])
-                rows.append((batch, threads, policy or "unset", step_ms))
+                rows.append((batch, threads, setting, step_ms))
                 print(
-                    f"batch {batch:3d} threads {threads} OMP_WAIT_POLICY={policy or 'unset':8s}"
+                    f"batch {batch:3d} threads {threads} {setting:10s}"
                     f" step {step_ms:8.2f} ms  ({time.perf_counter() - t:.0f} s)",
                     flush=True,
                 )
-    fields = [f"b{b}_t{t}_{p.lower()}_ms={ms:.2f}" for b, t, p, ms in rows]
+    fields = [f"b{b}_t{t}_{p.replace('-', '_')}_ms={ms:.2f}" for b, t, p, ms in rows]
     print(f"RESULT busy={int(args.busy)} cores={cores} {' '.join(fields)}")
 
 

@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from daemon.serve_config import add_serve_arguments, build_serve_config
-from runner.threads import set_openmp_defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +144,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    set_openmp_defaults()  # before anything imports torch (libgomp reads it once)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "simulate":

@@ -32,6 +32,7 @@ from runner.models.decoder import DecoderForCausalLM
 from runner.platform import Platform, select_platform
 from runner.spec_decode import SpeculativeConfig
 from runner.spec_decode.draft_length import AdaptiveDraftLength
+from runner.thread_governor import ThreadGovernor
 from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
@@ -130,8 +131,15 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
+        self.governor: ThreadGovernor | None = None
         if config.threads or _pick_device(config.device).type == "cpu":
-            torch.set_num_threads(config.threads or default_threads())
+            threads = config.threads or default_threads()
+            torch.set_num_threads(threads)
+            governor = ThreadGovernor(threads)
+            # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
+            passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+            if config.thread_governor and governor.enabled and not passive:
+                self.governor = governor
         loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.tokenizer, self.model, self.model_config = (
@@ -190,7 +198,7 @@ class Engine:
         )
         log.info(
             "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads "
-            "(OMP_WAIT_POLICY=%s), speculative %s",
+            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -199,6 +207,7 @@ class Engine:
             config.block_size,
             torch.get_num_threads(),
             os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "on" if self.governor else "off",
             f"{self.speculative.method} k={self.speculative.num_speculative_tokens}"
             if self.speculative.enabled
             else "off",
@@ -321,7 +330,28 @@ class Engine:
     def launch(self, so: SchedulerOutput) -> RunnerOutput | PendingOutput:
         """Run a step; on CUDA its ids may still be on their way (PendingOutput.result())."""
         start = time.perf_counter()
+        if self.governor is not None and not so.is_empty:
+            return self._governed(so, start)
         ro = self.runner.execute(so)
+        if isinstance(ro, RunnerOutput):
+            ro.duration_s = time.perf_counter() - start
+        return ro
+
+    def _governed(self, so: SchedulerOutput, start: float) -> RunnerOutput | PendingOutput:
+        """A CPU step on the governor's thread count (set on this, the runner's, thread)."""
+        assert self.governor is not None
+        threads = self.governor.threads()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            log.info(
+                "thread governor: %d thread(s) from now (%s)",
+                threads,
+                "a core is taken by another process" if threads == 1 else "the cores are free",
+            )
+        try:
+            ro = self.runner.execute(so)
+        finally:
+            self.governor.step_done()
         if isinstance(ro, RunnerOutput):
             ro.duration_s = time.perf_counter() - start
         return ro

@@ -75,9 +75,13 @@ class EngineConfig:
     )
     threads: int | None = opt(
         None,
-        "torch intra-op threads (default: every core this process may use; idle OpenMP "
-        "workers sleep (OMP_WAIT_POLICY=PASSIVE), so the event loop sharing a core does not "
-        "stall the team)",
+        "most torch intra-op threads (default: every core this process may use)",
+    )
+    thread_governor: bool = opt(
+        True,
+        "CPU: run a step on one thread while another process holds a core (measured per "
+        "window of steps), so libgomp's spinning team never waits on a descheduled worker; "
+        "off when OMP_WAIT_POLICY=PASSIVE",
     )
 
 
