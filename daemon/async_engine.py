@@ -61,7 +61,9 @@ class AsyncEngine:
     that disconnects) aborts the request and frees its blocks at the next step.
     """
 
-    def __init__(self, engine: Engine, overlap: bool = True) -> None:
+    def __init__(
+        self, engine: Engine, overlap: bool = True, executor: ThreadPoolExecutor | None = None
+    ) -> None:
         self.engine = engine
         if overlap and engine.speculative.enabled:
             # Drafts for step N+1 come from step N's sampled tokens, so N+1 cannot be
@@ -70,7 +72,8 @@ class AsyncEngine:
             overlap = False
         self.overlap = overlap
         self.depth = 2 if overlap else 1
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+        # The runner thread; pass the one that built the engine (see daemon/server.py).
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
         # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="headrace-waiter")
         self._streams: dict[str, asyncio.Queue[Delta]] = {}

@@ -343,10 +343,13 @@ class Engine:
         threads = self.governor.threads()
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+            g = self.governor
             log.info(
                 "thread governor: %d thread(s) from now (%s)",
                 threads,
-                "a core is taken by another process" if threads == 1 else "the cores are free",
+                f"our threads got {g.last_share:.0%} of their cores"
+                if threads == 1
+                else f"{g.last_idle_cores:.2f} cores idle",
             )
         try:
             ro = self.runner.execute(so)

@@ -16,6 +16,7 @@ import socket
 import stat
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvloop
@@ -97,12 +98,16 @@ async def serve(config: ServeConfig) -> int:
     configure_logging(config.server.log_level, notifier.enabled)
     loop = asyncio.get_running_loop()
     notifier.status("loading model")
-    engine = Engine(config.engine)
+    # Built on the thread that will run every step: libgomp keeps a thread pool per thread
+    # that opens a parallel region, and with more pooled threads than cores it cuts its
+    # workers' spinning to ~100 rounds, so each region would pay a futex wake-up.
+    runner_thread = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+    engine = await loop.run_in_executor(runner_thread, Engine, config.engine)
     name = config.server.served_model_name or engine.model_name
     overlap = config.server.overlap
     if overlap is None:
         overlap = engine.device.type == "cuda"
-    async_engine = AsyncEngine(engine, overlap=overlap)
+    async_engine = AsyncEngine(engine, overlap=overlap, executor=runner_thread)
     async_engine.on_iteration = notifier.watchdog
     if notifier.watchdog_interval is not None:
         async_engine.idle_timeout = notifier.watchdog_interval

@@ -30,8 +30,14 @@ ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2) -DGGML_
      -DGGML_F16C=$(onoff f16c) -DGGML_AVX512=$(onoff avx512f) -DGGML_AVX512_VBMI=$(onoff avx512vbmi)
      -DGGML_AVX512_VNNI=$(onoff avx512_vnni) -DGGML_AVX512_BF16=$(onoff avx512_bf16)
      -DGGML_AVX_VNNI=$(onoff avx_vnni))
-if has amx_tile && has amx_int8; then ISA+=(-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON); fi
-if has amx_bf16; then ISA+=(-DGGML_AMX_BF16=ON); fi
+# AMX is off unless asked for (LLAMA_AMX=1): the AMX build died with SIGILL at start-up on
+# a Sapphire Rapids KVM guest whose flags list amx_tile/amx_int8.
+if [[ "${LLAMA_AMX:-0}" == 1 ]] && has amx_tile && has amx_int8; then
+    ISA+=(-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON)
+    if has amx_bf16; then ISA+=(-DGGML_AMX_BF16=ON); fi
+else
+    ISA+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 say "ISA flags: ${ISA[*]}"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
