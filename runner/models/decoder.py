@@ -18,7 +18,7 @@ from runner.attention import AttentionMetadata
 from runner.attention_backends import AttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_config import ModelConfig
-from runner.models.rope import RotaryEmbedding
+from runner.models.rope import RopeAt, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -57,19 +57,22 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RopeAt,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_width = self.q_size + self.kv_size
+        v = qkv[:, qk_width:].view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            q, k = qkv[:, :qk_width].split([self.q_size, self.kv_size], dim=-1)
+            q = rope.rotate(self.q_norm(q.view(t, self.heads, self.head_dim)))  # [T, H, D]
+            k = rope.rotate(self.k_norm(k.view(t, self.kv_heads, self.head_dim)))  # [T, KVH, D]
+        else:
+            # Q and K rotate as one [T, H + KVH, D] tensor: half the RoPE ops of a layer.
+            qk = qkv[:, :qk_width].view(t, self.heads + self.kv_heads, self.head_dim)
+            q, k = rope.rotate(qk).split([self.heads, self.kv_heads], dim=1)
         # Every new token's K/V is written before any query reads: a chunk attends to itself,
         # and a prefix block filled in this step is already readable by its other users.
         self.backend.write_kv(kv_cache, k, v, meta)
@@ -106,12 +109,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RopeAt,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,8 +142,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:

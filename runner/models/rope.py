@@ -61,9 +61,25 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        at = self.at(positions)
+        return at.rotate(q), at.rotate(k)
+
+    def at(self, positions: torch.Tensor) -> RopeAt:
+        """The tables gathered at `positions`: once per forward, shared by every layer."""
+        return RopeAt(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+
+class RopeAt:
+    """cos/sin [T, 1, D] of one forward's positions."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on [T, heads, head_dim] (any heads: Q and K may come as one tensor)."""
+        return x * self.cos + _rotate_half(x) * self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
