@@ -112,8 +112,8 @@ class LoadedModel:
             config.dtype,
             config.quantization,
             checkpoint_quantized=checkpoint.is_quantized(),
-            # The model's own MLP shape decides whether int8 pays off here.
-            bench_shape=(2 * shape.intermediate_size, shape.hidden_size),
+            # The LM head, the largest layer int8 takes, decides whether it pays off here.
+            bench_shape=(shape.vocab_size, shape.hidden_size),
         )
         log.info("%s", platform.describe())
         t0 = time.perf_counter()
