@@ -343,14 +343,7 @@ class Engine:
         threads = self.governor.threads()
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            g = self.governor
-            log.info(
-                "thread governor: %d thread(s) from now (%s)",
-                threads,
-                f"our threads got {g.last_share:.0%} of their cores"
-                if threads == 1
-                else f"{g.last_idle_cores:.2f} cores idle",
-            )
+            log.info("thread governor: %d thread(s) from now (%s)", threads, self.governor.reason)
         try:
             ro = self.runner.execute(so)
         finally:

@@ -53,9 +53,8 @@ class ThreadGovernor:
         self._wall, self._cpu, self._idle = wall, cpu, idle
         self.current = max_threads
         self.switches = 0
-        # What the last decision saw (for the log line).
-        self.last_share: float | None = None
-        self.last_idle_cores: float | None = None
+        # Why the thread count last changed (for the log line).
+        self.reason = "start"
         self._reset()
 
     def _reset(self) -> None:
@@ -86,16 +85,16 @@ class ThreadGovernor:
 
     def _decide(self) -> None:
         if self.current > 1:
-            share = self.last_share = self._win_cpu / (self._win_wall * self.current)
+            share = self._win_cpu / (self._win_wall * self.current)
             if share < self.share_floor:
-                self._switch(1)
+                self._switch(1, f"our threads got {share:.0%} of their cores")
         else:
             # Idle cores while our one thread ran (clock ticks: coarse, hence the window).
-            idle_cores = self.last_idle_cores = self._win_idle / self._win_wall
+            idle_cores = self._win_idle / self._win_wall
             if idle_cores >= self.idle_floor * (self.max_threads - 1):
-                self._switch(self.max_threads)
+                self._switch(self.max_threads, f"{idle_cores:.2f} cores sat idle")
         self._win_wall = self._win_cpu = self._win_idle = 0.0
 
-    def _switch(self, n: int) -> None:
-        self.current = n
+    def _switch(self, n: int, reason: str) -> None:
+        self.current, self.reason = n, reason
         self.switches += 1

@@ -48,7 +48,7 @@ def test_a_busy_neighbour_sends_steps_to_one_thread_and_they_stay_there():
     first_single = used.index(1)
     assert first_single <= 7  # one 0.3 s window of 50 ms steps, then the switch
     assert set(used[first_single:]) == {1}  # no idle core: it does not flap back
-    assert gov.switches == 1
+    assert gov.switches == 1 and gov.reason == "our threads got 55% of their cores"
 
 
 def test_the_team_comes_back_when_the_neighbour_leaves():
@@ -59,7 +59,7 @@ def test_the_team_comes_back_when_the_neighbour_leaves():
     assert gov.current == 1
     # The other core now sits idle while our single thread runs.
     used = [m.run_step(gov, 0.05, cpu_share=1.0, idle_cores=0.9) for _ in range(10)]
-    assert used[-1] == 2 and gov.switches == 2
+    assert used[-1] == 2 and gov.switches == 2 and gov.reason == "0.90 cores sat idle"
 
 
 def test_a_partly_idle_other_core_is_not_enough_to_come_back():
