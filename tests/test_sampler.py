@@ -109,3 +109,14 @@ def test_bitmask_allows_only_set_bits():
     masked = batch([SamplingParams()] * 2)
     masked.bitmask = mask
     assert sample(torch.randn(2, 40), masked).token_ids == [3, 34]
+
+
+def test_row_argmax_is_argmax_with_first_index_on_ties():
+    from runner.sampler import row_argmax
+
+    x = torch.randn(16, 1000)
+    x[:, 7] = x.max() + 1
+    x[:5, 500] = x[:5, 7]  # a tie later in the row: the first index wins
+    x[10, :] = 0.0  # every entry tied
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(x)[:5].tolist() == [7] * 5 and row_argmax(x)[10].item() == 0
