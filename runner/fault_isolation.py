@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.rejection_sampler import LogprobEntry
-from runner.sampler import SamplingBatch, sample
+from runner.sampler import SamplingBatch, is_plain_greedy, sample
 
 log = logging.getLogger("headrace.runner")
 
@@ -57,11 +57,11 @@ def sample_isolated(
     """`verify_fn` over the whole batch; on an exception, again per request.
 
     `groups` are the row ranges of each request (a request with drafts owns several rows).
-    `logits` is modified in place by the sampler, so a pristine copy is kept for the retry.
-    The copy costs one [N, V] fp32 clone per step; a step raising is rare, a clone is cheap
-    next to the forward.
+    The general sampler modifies `logits` in place, so a pristine copy is kept for the
+    retry; the plain-greedy path only reads them, and the hot greedy step copies nothing.
     """
-    pristine = logits.clone()
+    read_only = verify_fn is sample_one_each and is_plain_greedy(batch)
+    pristine = logits if read_only else logits.clone()
     # Seeded generators may have drawn before the fault: rewind them for the retry so a
     # seeded request's tokens do not depend on a neighbour's failure.
     states = [None if g is None else g.get_state() for g in batch.generators]

@@ -136,14 +136,16 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def sample_plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult | None:
-    """Fast path: every row greedy, no logprobs, nothing to process -> one argmax.
-
-    Returns None when the batch needs the general path.
-    """
+def is_plain_greedy(batch: SamplingBatch) -> bool:
+    """Every row greedy, no logprobs, nothing to process: `sample` only reads the logits."""
     if any(not p.greedy or p.logprobs is not None for p in batch.params):
-        return None
-    if needs_processing(batch):
+        return False
+    return not needs_processing(batch)
+
+
+def sample_plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult | None:
+    """Fast path: one argmax. Returns None when the batch needs the general path."""
+    if not is_plain_greedy(batch):
         return None
     return SampleResult(row_argmax(logits).tolist(), [None] * logits.shape[0])
 
