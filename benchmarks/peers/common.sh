@@ -22,3 +22,17 @@ if not found:
 print(found[0])
 PY
 }
+
+# The embedded GGUF as an HF directory (fp32 safetensors, tokenizer, chat template), made once
+# and shared by the peers that need one (vLLM CPU, transformers serve).
+HF_MODEL="$PEERS_DIR/smollm2-hf"
+ensure_hf_model() {
+    if [[ -f "$HF_MODEL/config.json" ]]; then
+        say "HF model already at $HF_MODEL"
+        return
+    fi
+    local gguf
+    gguf=$(embedded_gguf)
+    say "converting $gguf to an HF directory at $HF_MODEL"
+    HR_GGUF="$gguf" HR_OUT="$HF_MODEL" nice -n 15 "$HEADRACE_PY" "$REPO_ROOT/benchmarks/peers/gguf_to_hf.py"
+}

@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 PORT="${1:?usage: run_transformers.sh PORT}"
 DEST="$PEERS_DIR/transformers"
-MODEL="$PEERS_DIR/smollm2-hf"
+MODEL="$HF_MODEL"
 [[ -x "$DEST/venv/bin/transformers" && -f "$MODEL/config.json" ]] \
     || die "transformers serve is not set up under $DEST: run benchmarks/peers/setup_transformers.sh"
 say "transformers serve on :$PORT with $MODEL"

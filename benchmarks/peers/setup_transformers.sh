@@ -18,12 +18,5 @@ if ! "$VENV/bin/python" -c "import transformers, fastapi, uvicorn" >/dev/null 2>
 else
     say "transformers[serving] already installed in $VENV"
 fi
-MODEL="$PEERS_DIR/smollm2-hf"
-if [[ ! -f "$MODEL/config.json" ]]; then
-    GGUF=$(embedded_gguf)
-    say "converting $GGUF to an HF directory at $MODEL"
-    HR_GGUF="$GGUF" HR_OUT="$MODEL" nice -n 15 "$HEADRACE_PY" "$(dirname "$0")/gguf_to_hf.py"
-else
-    say "HF model already at $MODEL"
-fi
+ensure_hf_model
 say "transformers serve ready in $(( $(date +%s) - start )) s"

@@ -54,12 +54,5 @@ if __name__ == "__main__":  # vLLM's workers re-import this file through multipr
     sys.exit(main())
 PY
 say "launcher: $DEST/vllm_launcher.py"
-MODEL="$PEERS_DIR/smollm2-hf"
-if [[ ! -f "$MODEL/config.json" ]]; then
-    GGUF=$(embedded_gguf)
-    say "converting $GGUF to an HF directory at $MODEL"
-    HR_GGUF="$GGUF" HR_OUT="$MODEL" nice -n 15 "$HEADRACE_PY" "$(dirname "$0")/gguf_to_hf.py"
-else
-    say "HF model already at $MODEL"
-fi
+ensure_hf_model
 say "vLLM CPU ready in $(( $(date +%s) - start )) s"
