@@ -47,10 +47,13 @@ def engine_for(loaded: LoadedModel, **cfg: object) -> Engine:
     return Engine(EngineConfig(**cfg), loaded)  # type: ignore[arg-type]
 
 
-def make_tiny_hf_model(kind: str, directory: Path | None = None) -> torch.nn.Module:
+def make_tiny_hf_model(
+    kind: str, directory: Path | None = None, **overrides: object
+) -> torch.nn.Module:
     """A random tiny model of the given family, saved as config.json + safetensors.
 
-    Kinds: llama (with llama3 RoPE scaling), llama-plain, qwen2, qwen3.
+    Kinds: llama (with llama3 RoPE scaling), llama-plain, qwen2, qwen3. `overrides` replace
+    config fields (a real tokenizer's vocabulary, tied embeddings, its EOS id).
     """
     import transformers as tf
 
@@ -67,6 +70,7 @@ def make_tiny_hf_model(kind: str, directory: Path | None = None) -> torch.nn.Mod
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
+    common.update(overrides)
     if kind == "llama":
         cfg = tf.LlamaConfig(
             **common,

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from aiohttp.test_utils import TestClient, TestServer
+from model_fixtures import make_tiny_hf_model
 
 from daemon.api import APIServer
 from daemon.api_options import APIOptions
@@ -28,23 +28,14 @@ from runner.tokenizer import load_tokenizer
 
 
 def build_tiny_model_dir(directory: Path) -> Path:
-    import transformers as tf
-
     tokenizer = load_tokenizer(resolve_model(None))
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
+    make_tiny_hf_model(
+        "llama-plain",
+        directory,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
     )
-    tf.LlamaForCausalLM(cfg).float().eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
