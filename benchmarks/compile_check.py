@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from scheduling import SamplingParams
 
 

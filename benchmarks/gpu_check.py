@@ -27,8 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from scheduling import SamplingParams

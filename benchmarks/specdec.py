@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from scheduling import SamplingParams
 
 PARAGRAPHS = [

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 import torch
 from machine import cpu_description
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner.attention_backends import TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_runner import ModelRunner

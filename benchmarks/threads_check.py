@@ -27,7 +27,8 @@ from machine import cpu_description
 
 CHILD = r"""
 import statistics, sys, time, torch
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
+from daemon.loaded_model import LoadedModel
 from daemon.engine_config import EngineConfig
 from scheduling import SamplingParams
 threads, batch, dtype, quant = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

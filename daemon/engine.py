@@ -12,28 +12,22 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.engine_config import EngineConfig, default_threads
 from daemon.grammar_requests import GrammarRequests
+from daemon.loaded_model import LoadedModel, pick_device
 from daemon.validation import check_vocab
 from grammars import GrammarSpec
 from kvcache import KVCacheManager
-from plugins import load_model_class, load_policy, load_proposer
+from plugins import load_policy, load_proposer
 from runner.device_queue import PendingOutput
-from runner.loader import load_model, open_checkpoint
-from runner.model_config import ModelConfig
 from runner.model_runner import ModelRunner, kv_bytes_per_block
-from runner.model_source import resolve_model
-from runner.models.decoder import DecoderForCausalLM
-from runner.platform import Platform, select_platform
 from runner.spec_decode import SpeculativeConfig
 from runner.spec_decode.draft_length import AdaptiveDraftLength
 from runner.thread_governor import ThreadGovernor
-from runner.tokenizer import load_tokenizer
 from scheduling import (
     SLO,
     Request,
@@ -89,50 +83,13 @@ class Completion:
     error: str | None = None
 
 
-@dataclass(slots=True)
-class LoadedModel:
-    """Weights, shape and tokenizer of a model; engines can share one (weights are read-only)."""
-
-    model: DecoderForCausalLM
-    config: ModelConfig
-    tokenizer: Any
-    name: str
-    device: torch.device
-    dtype: torch.dtype
-    platform: Platform | None = None
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> LoadedModel:
-        device = _pick_device(config.device)
-        source = resolve_model(config.model)
-        checkpoint = open_checkpoint(source)
-        shape = checkpoint.config()
-        platform = select_platform(
-            device,
-            config.dtype,
-            config.quantization,
-            checkpoint_quantized=checkpoint.is_quantized(),
-            # The LM head, the largest layer int8 takes, decides whether it pays off here.
-            bench_shape=(shape.vocab_size, shape.hidden_size),
-        )
-        log.info("%s", platform.describe())
-        t0 = time.perf_counter()
-        model, model_config = load_model(
-            source, device, platform.dtype, lookup=load_model_class, checkpoint=checkpoint
-        )
-        platform.prepare(model)
-        tokenizer = load_tokenizer(source)
-        log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
-        return cls(model, model_config, tokenizer, source.name, device, platform.dtype, platform)
-
-
 class Engine:
     """The whole data plane in one object; not thread-safe (one owner calls it)."""
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.governor: ThreadGovernor | None = None
-        if config.threads or _pick_device(config.device).type == "cpu":
+        if config.threads or pick_device(config.device).type == "cpu":
             threads = config.threads or default_threads()
             torch.set_num_threads(threads)
             governor = ThreadGovernor(threads)
@@ -498,9 +455,3 @@ def _available_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner.model_source import resolve_model
 
 

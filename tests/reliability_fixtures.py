@@ -20,8 +20,9 @@ from model_fixtures import make_tiny_hf_model
 from daemon.api import APIServer
 from daemon.api_options import APIOptions
 from daemon.async_engine import AsyncEngine
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from daemon.metrics import Metrics
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer

@@ -15,8 +15,8 @@ import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
 from daemon.async_engine import AsyncEngine
-from daemon.engine import LoadedModel
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams

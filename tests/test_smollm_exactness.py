@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_fixtures import engine_for, hf_greedy, load_hf_smollm
 
-from daemon.engine import LoadedModel
+from daemon.loaded_model import LoadedModel
 from runner.attention import build_metadata
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams

@@ -13,8 +13,9 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.engine import Engine, LoadedModel
+from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner import rejection_sampler
 from runner.model_source import resolve_model
 from runner.spec_decode import PROPOSER_API_VERSION, DraftRequest

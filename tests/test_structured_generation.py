@@ -18,7 +18,8 @@ from model_fixtures import engine_for
 from structured_cases import ARITHMETIC, CHOICES, REGEXES, SCHEMAS, SQL
 
 from daemon.async_engine import AsyncEngine
-from daemon.engine import Completion, LoadedModel
+from daemon.engine import Completion
+from daemon.loaded_model import LoadedModel
 from grammars import GrammarSpec
 from runner.model_runner import kv_bytes_per_block
 from scheduling import RequestStatus, SamplingParams

@@ -9,8 +9,8 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.engine import LoadedModel
 from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
 from runner.cuda_graphs import batch_ladder
 from scheduling import SamplingParams
 
