@@ -27,6 +27,11 @@ from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 log = logging.getLogger("headrace.engine")
 
 
+def runner_executor() -> ThreadPoolExecutor:
+    """The one runner thread: every forward (and, in the daemon, the engine's construction)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+
+
 class RequestStream:
     """The deltas of one request. `close()` before the end aborts it (blocks return)."""
 
@@ -73,7 +78,7 @@ class AsyncEngine:
         self.overlap = overlap
         self.depth = 2 if overlap else 1
         # The runner thread; pass the one that built the engine (see daemon/server.py).
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+        self._executor = executor or runner_executor()
         # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="headrace-waiter")
         self._streams: dict[str, asyncio.Queue[Delta]] = {}

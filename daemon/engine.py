@@ -287,27 +287,24 @@ class Engine:
     def launch(self, so: SchedulerOutput) -> RunnerOutput | PendingOutput:
         """Run a step; on CUDA its ids may still be on their way (PendingOutput.result())."""
         start = time.perf_counter()
-        if self.governor is not None and not so.is_empty:
-            return self._governed(so, start)
-        ro = self.runner.execute(so)
+        governor = self.governor if not so.is_empty else None
+        if governor is not None:
+            self._set_threads(governor.threads())
+        try:
+            ro = self.runner.execute(so)
+        finally:
+            if governor is not None:
+                governor.step_done()
         if isinstance(ro, RunnerOutput):
             ro.duration_s = time.perf_counter() - start
         return ro
 
-    def _governed(self, so: SchedulerOutput, start: float) -> RunnerOutput | PendingOutput:
-        """A CPU step on the governor's thread count (set on this, the runner's, thread)."""
-        assert self.governor is not None
-        threads = self.governor.threads()
+    def _set_threads(self, threads: int) -> None:
+        """The governor's thread count, set on this (the runner's) thread when it changes."""
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+            assert self.governor is not None
             log.info("thread governor: %d thread(s) from now (%s)", threads, self.governor.reason)
-        try:
-            ro = self.runner.execute(so)
-        finally:
-            self.governor.step_done()
-        if isinstance(ro, RunnerOutput):
-            ro.duration_s = time.perf_counter() - start
-        return ro
 
     def process(self, so: SchedulerOutput, ro: RunnerOutput) -> list[Delta]:
         """Apply a step's results: advance requests, detokenize, end those that hit a stop."""

@@ -16,7 +16,6 @@ import socket
 import stat
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvloop
@@ -24,7 +23,7 @@ from aiohttp import web
 
 from daemon.api import APIServer
 from daemon.api_options import APIOptions
-from daemon.async_engine import AsyncEngine
+from daemon.async_engine import AsyncEngine, runner_executor
 from daemon.auth import load_api_key
 from daemon.engine import Engine
 from daemon.metrics import Metrics
@@ -101,7 +100,7 @@ async def serve(config: ServeConfig) -> int:
     # Built on the thread that will run every step: libgomp keeps a thread pool per thread
     # that opens a parallel region, and with more pooled threads than cores it cuts its
     # workers' spinning to ~100 rounds, so each region would pay a futex wake-up.
-    runner_thread = ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+    runner_thread = runner_executor()
     engine = await loop.run_in_executor(runner_thread, Engine, config.engine)
     name = config.server.served_model_name or engine.model_name
     overlap = config.server.overlap
