@@ -14,7 +14,7 @@ import torch
 
 from daemon.engine_config import EngineConfig
 from plugins import load_model_class
-from runner.loader import load_model, open_checkpoint
+from runner.loader import load_model, model_linears, open_checkpoint
 from runner.model_config import ModelConfig
 from runner.model_source import resolve_model
 from runner.models.decoder import DecoderForCausalLM
@@ -41,14 +41,12 @@ class LoadedModel:
         device = pick_device(config.device)
         source = resolve_model(config.model)
         checkpoint = open_checkpoint(source)
-        shape = checkpoint.config()
         platform = select_platform(
             device,
             config.dtype,
             config.quantization,
             checkpoint_quantized=checkpoint.is_quantized(),
-            # The LM head, the largest layer int8 takes, decides whether it pays off here.
-            bench_shape=(shape.vocab_size, shape.hidden_size),
+            linears=model_linears(checkpoint, load_model_class),
         )
         log.info("%s", platform.describe())
         t0 = time.perf_counter()

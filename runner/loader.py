@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runner.layers.linear import LinearShape, linear_shapes
 from runner.loaders.hf_loader import HFDirectory
 from runner.model_config import ModelConfig
 from runner.model_source import ModelSource
@@ -29,6 +30,27 @@ def open_checkpoint(source: ModelSource) -> GGUFModel | HFDirectory:
     return HFDirectory(source.path)
 
 
+def _architecture(
+    checkpoint: GGUFModel | HFDirectory, lookup: ModelClassLookup | None
+) -> tuple[ModelConfig, type]:
+    cfg = apply_architecture_defaults(checkpoint.config())
+    cls = builtin_model_class(cfg.architecture)
+    if cls is None:
+        if lookup is None:
+            raise ValueError(f"unsupported model architecture {cfg.architecture!r}")
+        cls = lookup(cfg.architecture)
+    return cfg, cls
+
+
+def model_linears(
+    checkpoint: GGUFModel | HFDirectory, lookup: ModelClassLookup | None = None
+) -> list[LinearShape]:
+    """The model's linear layer shapes, from an instance on the meta device (no weights)."""
+    cfg, cls = _architecture(checkpoint, lookup)
+    with torch.device("meta"):
+        return linear_shapes(cls(cfg))
+
+
 def load_model(
     source: ModelSource,
     device: torch.device,
@@ -41,12 +63,7 @@ def load_model(
     that are not built in (the daemon passes the `headrace.models` plugin registry);
     `checkpoint` reuses a file the caller already opened."""
     checkpoint = checkpoint or open_checkpoint(source)
-    cfg = apply_architecture_defaults(checkpoint.config())
-    cls = builtin_model_class(cfg.architecture)
-    if cls is None:
-        if lookup is None:
-            raise ValueError(f"unsupported model architecture {cfg.architecture!r}")
-        cls = lookup(cfg.architecture)
+    cfg, cls = _architecture(checkpoint, lookup)
     # Built on the meta device: no time is spent on a random init the weights overwrite.
     # Parameters are allocated once, on the device and in the target dtype; each checkpoint
     # tensor is converted as it is copied in, so no fp32 copy of the whole model exists.

@@ -17,6 +17,7 @@ weights are loaded, so the model definitions stay the same whatever the format.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -190,3 +191,23 @@ def pack_linears(
             module.pack(fmt, int8_kernel, reduce_range, float_format)
             counts[module.format] = counts.get(module.format, 0) + 1
     return counts
+
+
+@dataclass(frozen=True, slots=True)
+class LinearShape:
+    """A weight shape of a model's linear layers and how many layers share it."""
+
+    out_features: int
+    in_features: int
+    int8_inputs: bool
+    count: int
+
+
+def linear_shapes(model: nn.Module) -> list[LinearShape]:
+    """The model's `Linear`s grouped by shape (works on a meta-device model: no weights)."""
+    counts = Counter(
+        (m.out_features, m.in_features, m.int8_inputs)
+        for m in model.modules()
+        if isinstance(m, Linear)
+    )
+    return [LinearShape(o, i, q, n) for (o, i, q), n in counts.items()]
