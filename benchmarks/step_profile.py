@@ -24,7 +24,7 @@ from machine import cpu_description
 from daemon.engine import Engine
 from daemon.engine_config import EngineConfig
 from daemon.loaded_model import LoadedModel
-from runner.attention_backends import TorchAttentionBackend
+from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_runner import ModelRunner
 from scheduling import SamplingParams
@@ -51,6 +51,7 @@ def instrumented() -> Iterator[None]:
         (TorchAttentionBackend, "build_metadata", "build_metadata"),
         (TorchAttentionBackend, "write_kv", "write_kv"),
         (TorchAttentionBackend, "forward", "paged_attention"),
+        (CpuKernelAttentionBackend, "forward", "paged_attention"),
         (ModelRunner, "_sample", "sample"),
         (Linear, "forward", "linear"),
     ]
@@ -66,7 +67,12 @@ def instrumented() -> Iterator[None]:
 
 def profile(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[str, float]:
     engine = Engine(
-        EngineConfig(threads=args.threads, kv_cache_memory=512 << 20, max_num_seqs=batch),
+        EngineConfig(
+            threads=args.threads,
+            kv_cache_memory=512 << 20,
+            max_num_seqs=batch,
+            attention_backend=args.attention_backend,
+        ),
         loaded,
     )
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
@@ -97,6 +103,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch or cpu")
     args = ap.parse_args()
     print(cpu_description())
     if args.threads:
@@ -106,6 +113,7 @@ def main() -> None:
     )
     assert loaded.platform is not None
     print(loaded.platform.describe())
+    print(f"attention backend: {args.attention_backend}")
     parts = ["linear", "paged_attention", "write_kv", "build_metadata", "sample"]
     result = []
     for batch in args.batch:

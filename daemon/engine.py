@@ -154,12 +154,13 @@ class Engine:
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         log.info(
-            "engine: %s (%s) on %s/%s, %d KV blocks of %d tokens, %d threads "
+            "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
             "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
             self.dtype,
+            self.runner.attn_backend.name,
             num_blocks,
             config.block_size,
             torch.get_num_threads(),

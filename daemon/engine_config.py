@@ -40,7 +40,9 @@ class EngineConfig:
         "gpu-memory-utilization of free device memory on CUDA)",
     )
     attention_backend: str = opt(
-        "auto", "torch, triton, or auto (Triton kernels on CUDA, the torch reference elsewhere)"
+        "auto",
+        "torch, cpu, triton, or auto (Triton kernels on CUDA, the C++ kernels on the CPU when "
+        "they build, the torch reference otherwise)",
     )
     enforce_eager: bool = opt(
         False, "no CUDA graphs for decode-only steps (graphs need CUDA and the Triton backend)"

@@ -15,7 +15,7 @@ prefill group  (chunks):         q [B_p, KVH, g * Qp, D]  x  kv [B_p, KVH, K_p, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +37,8 @@ class AttentionGroup:
     block_tables: torch.Tensor
     # [B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere.
     mask: torch.Tensor
+    # [B] keys each request attends after this step (cached + new tokens).
+    seq_lens: torch.Tensor
     # True when the group is every token of the step, one query each, in flattened order.
     covers_all: bool = False
     # The mask repeated for the g query heads of a KV head, made once per step.
@@ -129,6 +131,7 @@ def _group(
         out_index=out_index.to(device),
         block_tables=torch.from_numpy(np.ascontiguousarray(tables[idx, :max_blocks])).to(device),
         mask=torch.from_numpy(bias).to(device),
+        seq_lens=torch.from_numpy(done + new).to(device),
         # A decode-only step covers every token once, in order: no gather or scatter needed.
         covers_all=q_len == 1 and len(idx) == num_tokens,
     )
@@ -142,10 +145,23 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     flat[1].index_copy_(0, slots, v)
 
 
+# (q [B, H, D], kv_cache, block_tables [B, max_blocks], seq_lens [B], scale) -> [B, H, D]
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Torch reference: [T, H, D] queries against the paged cache -> [T, H, D].
+
+    `decode_kernel`, when given, takes the group of one-query requests instead (it reads the
+    paged cache in place); chunks still go through the reference.
 
     NOTE: GQA without repeating K/V: the g query heads that share a KV head are folded into
     the query-length axis, so each KV head is read once ([B, KVH, g * Q, D] queries).
@@ -156,6 +172,13 @@ def paged_attention(
     out = q.new_empty(num_tokens, heads, head_dim)
     for g in meta.groups:
         b, q_len = g.token_index.shape
+        if decode_kernel is not None and q_len == 1:
+            qd = q if g.covers_all else q[g.out_index]
+            o = decode_kernel(qd, kv_cache, g.block_tables, g.seq_lens, scale)
+            if g.covers_all:
+                return o
+            out[g.out_index] = o
+            continue
         # One gather for K and V: [2, B * blocks, block, KVH, D] -> [2, B, KVH, K, D]
         kv = kv_cache.index_select(1, g.block_tables.reshape(-1))
         kv = kv.view(2, b, -1, kv_heads, head_dim).transpose(2, 3)

@@ -5,8 +5,9 @@ backend.build_metadata(num_computed, num_new, block_tables, block_size, device) 
 backend.write_kv(kv_cache, k, v, meta)       per layer: the step's new K/V into the cache
 backend.forward(q, kv_cache, meta, scale)    per layer: [T, H, D] -> [T, H, D]
 ```
-`torch` (runner/attention.py) is exact on every device and is the oracle the Triton kernels
-are tested against; `triton` (runner/triton_ops/) is the CUDA path.
+`torch` (runner/attention.py) is exact on every device and is the oracle the kernels are
+tested against; `cpu` is the reference with decode rows on the C++ kernel that reads the
+paged cache in place (runner/cpu_ops/); `triton` (runner/triton_ops/) is the CUDA path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from runner import attention
 from runner.triton_ops import triton_available
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -70,12 +71,36 @@ class TorchAttentionBackend:
         return attention.paged_attention(q, kv_cache, meta, scale)
 
 
+class CpuKernelAttentionBackend(TorchAttentionBackend):
+    """The reference, with one-query (decode) rows on the in-place paged C++ kernel."""
+
+    name = "cpu"
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
+    ) -> torch.Tensor:
+        kernel = torch.ops.headrace.paged_decode_attention
+        return attention.paged_attention(q, kv_cache, meta, scale, kernel)
+
+
 def select_attention_backend(
     device: torch.device, kv_heads: int, choice: str = "auto"
 ) -> AttentionBackend:
-    """`auto`: Triton on CUDA when triton imports, the torch reference everywhere else."""
+    """`auto`: Triton on CUDA when triton imports; on the CPU the C++ kernels when they
+    build here; the torch reference everywhere else."""
     if choice not in BACKENDS:
         raise ValueError(f"attention_backend: {choice!r} is not one of {', '.join(BACKENDS)}")
+    if device.type == "cpu" and choice in ("auto", "cpu"):
+        from runner.cpu_ops import load_cpu_ops
+
+        missing = load_cpu_ops()
+        if missing is None:
+            return CpuKernelAttentionBackend()
+        if choice == "cpu":
+            raise ValueError(f"attention_backend: 'cpu' kernels did not build here ({missing})")
+        return TorchAttentionBackend()
+    if choice == "cpu":
+        raise ValueError(f"attention_backend: 'cpu' runs on the CPU, not on {device.type}")
     want_triton = choice == "triton" or (
         choice == "auto" and device.type == "cuda" and triton_available()
     )

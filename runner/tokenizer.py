@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from runner.cache_dir import cache_dir
 from runner.model_source import ModelSource
-
-
-def cache_dir() -> Path:
-    """HEADRACE_CACHE_DIR, else systemd's CACHE_DIRECTORY (CacheDirectory=headrace gives
-    /var/cache/headrace), used as they are; else $XDG_CACHE_HOME/headrace or ~/.cache/headrace."""
-    own = os.environ.get("HEADRACE_CACHE_DIR") or os.environ.get("CACHE_DIRECTORY")
-    if own:
-        return Path(own.split(":")[0])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace"
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:

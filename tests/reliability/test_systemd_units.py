@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.tokenizer import cache_dir
+from runner.cache_dir import cache_dir
 
 UNITS = Path(__file__).parents[2] / "daemon" / "units"
 README = Path(__file__).parents[2] / "README.md"

@@ -1,0 +1,106 @@
+"""C++ kernels for the CPU path, compiled once on the machine that runs them.
+
+```
+torch.ops.headrace.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+```
+
+The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
+builder (g++, ninja) into the cache directory, keyed by the sources, torch's version and the
+CPU's flags (they are compiled for this CPU: `-march=native`), and loads the library; later
+starts load the built library directly. Without a compiler the engine keeps the torch
+reference and says why in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from runner.cache_dir import cache_dir
+
+log = logging.getLogger("headrace.cpu_ops")
+
+SOURCES = ("paged_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+_DONE = "built.ok"
+
+
+def _cpu_flags() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return line
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_key() -> str:
+    """Changes with the sources, the compiler flags, torch and the CPU."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel puts it beside Python."""
+    if shutil.which("ninja"):
+        return
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@functools.cache
+def load_cpu_ops() -> str | None:
+    """Build (first time) and load the kernels; None when they are ready, else the reason."""
+    if hasattr(torch.ops.headrace, "paged_decode_attention"):
+        return None
+    return build_and_load(cache_dir() / "cpu_ops" / build_key())
+
+
+def build_and_load(build_dir: Path) -> str | None:
+    """Load the library built in `build_dir`, building it there first if needed."""
+    name = f"headrace_cpu_ops_{build_dir.name}"
+    library = build_dir / f"{name}.so"
+    try:
+        if (build_dir / _DONE).exists() and library.exists():
+            torch.ops.load_library(str(library))
+            return None
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        log.info("building the CPU kernels into %s (once per machine, ~15 s)", build_dir)
+        load(
+            name=name,
+            sources=[str(Path(__file__).parent / source) for source in SOURCES],
+            extra_cflags=list(CFLAGS),
+            # at::parallel_for is inline OpenMP: linked by soname to the libgomp.so.1 torch
+            # has already loaded, so both share one thread pool (and the governor's setting).
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        # Written last: a second process that sees it may load the library without a lock.
+        (build_dir / _DONE).touch()
+        log.info("built the CPU kernels in %.1f s", time.perf_counter() - t0)
+        return None
+    except Exception as exc:  # any build failure leaves the torch reference
+        lines = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        log.warning("CPU kernels unavailable, using the torch reference (%s)", reason)
+        return reason

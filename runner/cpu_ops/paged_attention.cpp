@@ -1,0 +1,272 @@
+// Decode attention that reads the paged KV cache in place (no gathered copy per layer).
+//
+// One query token per request. Work is split over (request, KV head) pairs: the g query
+// heads that share a KV head are computed together, so every cached key and value is
+// read once per step and layer. Arithmetic is fp32 whatever the storage dtype.
+//
+// Layouts (the torch reference's, runner/attention.py):
+//   q            [B, H, D]                 fp32 or bf16
+//   kv_cache     [2, num_blocks, block_size, KVH, D], same dtype as q
+//   block_tables [B, max_blocks] int64     (entries past a request's length are ignored)
+//   seq_lens     [B] int64                 keys each request attends (its new token included)
+//   out          [B, H, D]                 q's dtype
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of an fp32: a shift, which the compiler vectorises.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
+                int64_t block_size, int64_t head_dim, float scale, T* out) {
+  // q and out point at this KV head's first query head: rows h * D for h in [0, group).
+  const int64_t token_stride = kv_heads * head_dim;  // between tokens in a block
+  const int64_t block_stride = block_size * token_stride;
+  std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim, 0.0f);
+  std::vector<float> scores(group * seq_len);
+  for (int64_t j = 0; j < group; ++j) {
+    load_row(q + j * head_dim, qf.data() + j * head_dim, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) qf[j * head_dim + d] *= scale;
+  }
+  // Scores, one pass over the keys.
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                 kvh * head_dim;
+    load_row(k, row.data(), head_dim);
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = qf.data() + j * head_dim;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < head_dim; ++d) s += qj[d] * row[d];
+      scores[j * seq_len + t] = s;
+    }
+  }
+  // Softmax per query head (max subtracted: exp never overflows).
+  std::vector<float> inv_sum(group);
+  for (int64_t j = 0; j < group; ++j) {
+    float* s = scores.data() + j * seq_len;
+    float m = *std::max_element(s, s + seq_len);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    inv_sum[j] = 1.0f / sum;
+  }
+  // Weighted values, one pass.
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                 kvh * head_dim;
+    load_row(v, row.data(), head_dim);
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = scores[j * seq_len + t];
+      float* aj = acc.data() + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) aj[d] += p * row[d];
+    }
+  }
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t d = 0; d < head_dim; ++d)
+      out[j * head_dim + d] = static_cast<T>(acc[j * head_dim + d] * inv_sum[j]);
+}
+
+#if defined(__AVX512F__)
+// AVX-512 path for the common head sizes: 16 lanes, the query row kept in registers.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// exp(x) for x <= 0 (softmax after the max is subtracted): 2^n * p(r), |r| <= ln2 / 2, with a
+// degree-6 polynomial; relative error ~2e-7, below fp32 rounding of the sums that follow.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int D, typename T>
+void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                       int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
+                       int64_t block_size, float scale, T* out) {
+  constexpr int NV = D / 16;
+  const int64_t token_stride = kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t padded = (seq_len + 15) / 16 * 16;
+  // Scores of all g heads first: each key row is loaded and widened once, not g times.
+  std::vector<float> all_scores(group * padded);
+  std::vector<float> q_scaled(group * D);
+  float* qs = q_scaled.data();
+  for (int64_t j = 0; j < group; ++j)
+    for (int i = 0; i < NV; ++i)
+      _mm512_storeu_ps(qs + j * D + i * 16,
+                       _mm512_mul_ps(load16(q + j * D + i * 16), _mm512_set1_ps(scale)));
+  for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
+    const T* k = k_cache + table[blk] * block_stride + kvh * D;
+    const int64_t n = std::min(block_size, seq_len - start);
+    for (int64_t t = 0; t < n; ++t, k += token_stride) {
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16(k + i * 16);
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = qs + j * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+        for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + i * 16), kv[i], acc);
+        all_scores[j * padded + start + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* scores = all_scores.data() + j * padded;
+    const float m = *std::max_element(scores, scores + seq_len);
+    for (int64_t t = seq_len; t < padded; ++t) scores[t] = -INFINITY;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), mv));
+      _mm512_storeu_ps(scores + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float inv_sum = 1.0f / _mm512_reduce_add_ps(sum);
+    // Weighted values, one pass.
+    __m512 acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
+      const T* v = v_cache + table[blk] * block_stride + kvh * D;
+      const int64_t n = std::min(block_size, seq_len - start);
+      for (int64_t t = 0; t < n; ++t, v += token_stride) {
+        const __m512 p = _mm512_set1_ps(scores[start + t]);
+        for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + i * 16), acc[i]);
+      }
+    }
+    alignas(64) float row[D];
+    for (int i = 0; i < NV; ++i)
+      _mm512_store_ps(row + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum)));
+    for (int d = 0; d < D; ++d) out[j * D + d] = static_cast<T>(row[d]);
+  }
+}
+#endif
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+         const int64_t* lens, at::Tensor& out, int64_t heads, int64_t head_dim,
+         int64_t block_size, int64_t kv_heads, float scale) {
+  const int64_t batch = q.size(0), group = heads / kv_heads, max_blocks = tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = cache.data_ptr<T>();
+  const T* v_ptr = k_ptr + cache.stride(0);
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  // Grain 1: a unit is a whole (request, KV head) pass over its context.
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
+      const int64_t offset = (b * heads + kvh * group) * head_dim;
+      const int64_t* table = table_ptr + b * max_blocks;
+#if defined(__AVX512F__)
+      if (head_dim == 64) {
+        decode_one_avx512<64>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
+                              block_size, scale, out_ptr + offset);
+        continue;
+      }
+      if (head_dim == 128) {
+        decode_one_avx512<128>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group,
+                               kv_heads, block_size, scale, out_ptr + offset);
+        continue;
+      }
+#endif
+      decode_one(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads, block_size,
+                 head_dim, scale, out_ptr + offset);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q [B, H, D], kv_cache [2, N, S, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  // A copy of a non-contiguous cache would cost more than the gather this kernel avoids.
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor& cache = kv_cache;
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int64_t batch = qc.size(0), heads = qc.size(1), head_dim = qc.size(2);
+  const int64_t num_blocks = cache.size(1), block_size = cache.size(2), kv_heads = cache.size(3);
+  TORCH_CHECK(cache.size(4) == head_dim && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table and length per row");
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  // Checked here, once, so that the kernel never reads outside the cache.
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_blocks * block_size,
+                "seq_lens out of range of the block table");
+    for (int64_t i = 0; i < (len_ptr[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = table_ptr[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range of the cache");
+    }
+  }
+  at::Tensor out = at::empty_like(qc);
+  const float s = static_cast<float>(scale);
+  if (qc.scalar_type() == at::kFloat) {
+    run<float>(qc, cache, tables, len_ptr, out, heads, head_dim, block_size, kv_heads, s);
+  } else if (qc.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(qc, cache, tables, len_ptr, out, heads, head_dim, block_size, kv_heads, s);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: fp32 or bf16 only, got ", qc.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(headrace, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(headrace, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

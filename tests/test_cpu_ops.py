@@ -1,0 +1,130 @@
+"""The C++ CPU kernels (runner/cpu_ops/) against the torch reference.
+
+CI has g++ and ninja: the kernels must build there (a build failure fails these tests
+rather than skipping them). The engine falls back to the reference only where they cannot
+build, which `test_a_failed_build_falls_back_to_the_reference` shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.attention_backends import (
+    CpuKernelAttentionBackend,
+    TorchAttentionBackend,
+    select_attention_backend,
+)
+from runner.cpu_ops import load_cpu_ops
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert load_cpu_ops() is None, "the CPU kernels did not build"
+
+
+def _tables(lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(perm[used : used + need])
+        used += need
+    assert used <= num_blocks
+    return tables
+
+
+def _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64):
+    """One step (done, new) per request through both backends: (reference, kernel)."""
+    torch.manual_seed(len(reqs) * 131 + heads)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    done, new = [d for d, _ in reqs], [n for _, n in reqs]
+    tables = _tables([d + n for d, n in reqs], block_size, num_blocks)
+    q = torch.randn(sum(new), heads, head_dim).to(dtype)
+    k = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
+    v = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
+    outs = []
+    for backend in (TorchAttentionBackend(), CpuKernelAttentionBackend()):
+        cache = kv.clone()
+        meta = backend.build_metadata(done, new, tables, block_size, CPU)
+        backend.write_kv(cache, k, v, meta)
+        outs.append(backend.forward(q, cache, meta, head_dim**-0.5))
+    return outs
+
+
+# (heads, kv_heads, head_dim, block_size): SmolLM2 (9/3, 64), a Llama-1B head (32/8, 64),
+# a 128-wide head, and a width with no vector path (the generic loop).
+SHAPES = [(9, 3, 64, 16), (32, 8, 64, 32), (8, 2, 128, 16), (6, 3, 24, 16)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_rows_match_the_reference(heads, kv_heads, head_dim, block_size, dtype):
+    # Decode-only step: lengths 1, one block exactly, odd block counts, a longer context.
+    reqs = [(0, 1), (block_size - 1, 1), (2 * block_size, 1), (37, 1), (300, 1)]
+    want, got = _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_step_keeps_chunks_on_the_reference(dtype):
+    # Prompt chunks (after a cached prefix too) beside decode rows: the decode rows go
+    # through the kernel and are scattered back between the chunk rows.
+    reqs = [(0, 7), (20, 1), (33, 1), (16, 5), (0, 1), (45, 1)]
+    want, got = _step(reqs, 9, 3, 64, 16, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    # Batch invariance: one request's output is bit-identical alone and among others.
+    torch.manual_seed(0)
+    kv = torch.randn(2, 32, 16, 3, 64)
+    q = torch.randn(4, 9, 64)
+    tables = torch.arange(32).view(4, 8)
+    lens = torch.tensor([100, 7, 128, 33])
+    op = torch.ops.headrace.paged_decode_attention
+    together = op(q, kv, tables, lens, 0.125)
+    for i in range(4):
+        alone = op(q[i : i + 1], kv, tables[i : i + 1], lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bad_tables_and_lengths_are_refused_not_read():
+    kv = torch.zeros(2, 4, 16, 3, 64)
+    q = torch.zeros(1, 9, 64)
+    op = torch.ops.headrace.paged_decode_attention
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        op(q, kv, torch.tensor([[7]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="seq_lens out of range"):
+        op(q, kv, torch.tensor([[0]]), torch.tensor([17]), 1.0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(q.bfloat16(), kv, torch.tensor([[0]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(q, kv.transpose(2, 3), torch.tensor([[0]]), torch.tensor([5]), 1.0)
+
+
+def test_backend_choice():
+    assert select_attention_backend(CPU, 3).name == "cpu"
+    assert select_attention_backend(CPU, 3, "cpu").name == "cpu"
+    assert select_attention_backend(CPU, 3, "torch").name == "torch"
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
+        select_attention_backend(torch.device("cuda"), 3, "cpu")
+
+
+def test_a_failed_build_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
+    import runner.cpu_ops as cpu_ops
+
+    # A fresh build directory and a compiler that does not exist: the build fails and says
+    # why; auto then keeps the reference, and asking for the kernels by name is an error.
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    reason = cpu_ops.build_and_load(tmp_path / "0123456789abcdef")
+    assert reason is not None
+    assert "CPU kernels unavailable" in caplog.text
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: reason)
+    assert select_attention_backend(CPU, 3).name == "torch"
+    with pytest.raises(ValueError, match="'cpu' kernels did not build here"):
+        select_attention_backend(CPU, 3, "cpu")
