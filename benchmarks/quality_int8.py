@@ -1,6 +1,12 @@
 """Quality of the fast weight formats against the fp32 path, on the embedded SmolLM2.
 
-    python benchmarks/quality_int8.py [--variants fp32 bf16 int8 bf16+int8] [--ppl-tokens 4096]
+    python benchmarks/quality_int8.py [--variants fp32 bf16 int8 bf16+int8 auto]
+                                      [--ppl-tokens 4096]
+
+`auto` is what `headrace serve` picks on this CPU; where that includes the small-batch int8
+weights (runner/platform.py), its prompts run one batch of at most `small_rows` requests at a
+time and its perplexity is scored `small_rows` tokens per forward, so that every token goes
+through the small-batch path.
 
 1. Greedy agreement: the first 64 tokens for each chat prompt in
    benchmarks/data/chat_prompts.txt (55 prompts, chat template applied), compared with fp32:
@@ -37,6 +43,7 @@ VARIANTS = {
     "bf16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
     "bf16+int8": ("bfloat16", "int8"),
+    "auto": ("auto", "auto"),
 }
 
 
@@ -98,14 +105,18 @@ def main() -> None:
             kv_cache_memory=256 << 20, max_num_seqs=64,
         )  # fmt: skip
         loaded = LoadedModel.load(config)
+        rows = loaded.platform.small_rows if loaded.platform else 0
+        if rows:
+            config.max_num_seqs = rows
         engine = Engine(config, loaded)
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         prompts = chat_prompts(engine.tokenizer)
         outputs[name] = [c.token_ids for c in engine.generate(prompts, params)]
         text_ids = engine.tokenizer.encode(english_text())[: args.ppl_tokens]
-        ppl[name] = perplexity(loaded, text_ids)
+        ppl[name] = perplexity(loaded, text_ids, chunk=rows or 1024)
+        described = loaded.platform.describe() if loaded.platform else ""
         del engine, loaded
-        print(f"{name}: perplexity {ppl[name]:.3f} on {len(text_ids)} tokens", flush=True)
+        print(f"{name}: perplexity {ppl[name]:.3f} on {len(text_ids)} tokens; {described}")
     ref = outputs["fp32"]
     fields = []
     for name in variants[1:]:

@@ -128,3 +128,63 @@ def test_a_failed_build_falls_back_to_the_reference(monkeypatch, tmp_path, caplo
     assert select_attention_backend(CPU, 3).name == "torch"
     with pytest.raises(ValueError, match="'cpu' kernels did not build here"):
         select_attention_backend(CPU, 3, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k_dim", [576, 40, 23], ids=["k576", "k40", "k23"])
+def test_int8_weight_linear_matches_the_dequantised_matmul(dtype, k_dim):
+    from runner.layers.linear import Int8Weight
+
+    torch.manual_seed(k_dim)
+    w = torch.randn(70, k_dim) * 0.05
+    bias = torch.randn(70)
+    q, scale = Int8Weight.quantize_rows(w)
+    dequant = q.float() * scale[:, None]
+    op = torch.ops.headrace.int8_weight_linear
+    # 1..11 rows cover the 8-, 4-, 2- and 1-row register tiles and their combinations.
+    for rows in range(1, 12):
+        x = torch.randn(rows, k_dim).to(dtype)
+        want = x.float() @ dequant.t() + bias
+        got = op(x, q, scale, bias)
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(op(x, q, scale, None).float(), op(x, q, scale, torch.zeros(70)).float())
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        op(torch.zeros(1, k_dim + 1), q, scale, None)
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        op(x, q.float(), scale, None)
+
+
+def test_linear_uses_its_int8_copy_only_up_to_small_rows():
+    from runner.layers.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+    ref = torch.nn.functional.linear
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack("float", small_batch_int8=True)
+    layer.small_rows = 2
+    few, many = torch.randn(2, 64), torch.randn(3, 64)
+    # Few rows: the weight-only int8 copy (close to, not equal to, the float result).
+    out_few = layer(few)
+    assert not torch.equal(out_few, ref(few, w, b))
+    torch.testing.assert_close(out_few, ref(few, w, b), atol=2e-2, rtol=2e-2)
+    # More rows: the layer's own format, exactly.
+    assert torch.equal(layer(many), ref(many, w, b))
+    layer.drop_small_batch_int8()
+    assert torch.equal(layer(few), ref(few, w, b))
+
+
+def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
+    from runner.layers.linear import Linear, pack_linears
+    from runner.platform import measure_small_rows
+
+    model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
+    pack_linears(model, "float", small_batch_int8=True)
+    rows = measure_small_rows(model, torch.float32, reps=1)
+    assert rows in (0, 1, 2, 4, 8)
+    assert all(m.small_rows == rows for m in model)
+    # A margin nothing can meet: the copies are dropped, not kept unused.
+    assert measure_small_rows(model, torch.float32, reps=1, margin=0.0) == 0
+    assert all(m._small is None and m.small_rows == 0 for m in model)

@@ -177,6 +177,11 @@ def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
     assert select_platform(CPU, "auto", "none", True, **kw).weight_format != "int8"
     explicit = select_platform(CPU, "bfloat16", "auto", True, int8_faster=faster(True), **kw)
     assert (explicit.dtype, explicit.weight_format) == (torch.bfloat16, "int8")
+    # Weight-only int8 copies for few-row calls are tried only for a quantised file under
+    # auto whose weights stay float (prepare() then measures whether they pay off).
+    assert lost.small_batch_int8 and not p.small_batch_int8
+    assert not plain_file.small_batch_int8 and not forced.small_batch_int8
+    assert not select_platform(CPU, "auto", "none", True, **kw).small_batch_int8
 
 
 def test_cuda_platform_and_bad_names():

@@ -10,6 +10,10 @@ int8     per-output-channel symmetric int8 weight; activations quantised per tok
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
 
+Beside any of them a layer may keep a weight-only int8 copy for calls with few rows
+(`small_rows`, set by the platform after measuring): a decode step of a few requests reads
+every weight once, so half the bytes is nearly half the time; activations stay float.
+
 The model code only builds `Linear`s; `pack_linears(model, fmt)` converts them all after the
 weights are loaded, so the model definitions stay the same whatever the format.
 """
@@ -63,11 +67,16 @@ class Int8Weight:
     # fbgemm without VNNI saturates int16 sums of u8 x s8 pairs: 7-bit activations avoid it.
     reduce_range: bool = False
 
-    @classmethod
-    def quantize(cls, w: torch.Tensor, kernel: str, reduce_range: bool = False) -> Int8Weight:
+    @staticmethod
+    def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, K] float -> int8 rows and one fp32 scale per row (symmetric, |q| <= 127)."""
         w = w.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [N]
-        q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kernel: str, reduce_range: bool = False) -> Int8Weight:
+        q, scale = cls.quantize_rows(w)
         packed = None
         if kernel == "fbgemm":
             with warnings.catch_warnings():
@@ -123,6 +132,9 @@ class Linear(nn.Linear):
         self._onednn: torch.Tensor | None = None
         self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
+        # Weight-only int8 copy (int8 rows, fp32 scales) used for calls of <= small_rows rows.
+        self._small: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.small_rows = 0
 
     def pack(
         self,
@@ -130,15 +142,19 @@ class Linear(nn.Linear):
         int8_kernel: str | None = None,
         reduce_range: bool = False,
         float_format: str = "float",
+        small_batch_int8: bool = False,
     ) -> None:
         """Convert the weight to `fmt`; the float weight is dropped from this module.
 
         A layer built with `int8_inputs=False` takes `float_format` when asked for int8.
+        `small_batch_int8` also keeps a weight-only int8 copy (unused until `small_rows` > 0).
         """
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
         if self.format != "float":
             raise RuntimeError(f"linear already packed as {self.format}")
+        if small_batch_int8:
+            self._small = Int8Weight.quantize_rows(self.weight)
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":
@@ -156,11 +172,18 @@ class Linear(nn.Linear):
         self.weight = None  # type: ignore[assignment]
         self.format = fmt
 
+    def drop_small_batch_int8(self) -> None:
+        self._small, self.small_rows = None, 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format == "float":
-            return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if self._small is not None and x2.shape[0] <= self.small_rows:
+            q, scale = self._small
+            y = torch.ops.headrace.int8_weight_linear(x2, q, scale, self.bias)
+            return y.view(*lead, y.shape[-1])
+        if self.format == "float":
+            return F.linear(x, self.weight, self.bias)
         if self.format == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(
                 x2.to(torch.bfloat16), self._onednn, self._onednn_bias, "none", [], ""
@@ -183,12 +206,13 @@ def pack_linears(
     int8_kernel: str | None = None,
     reduce_range: bool = False,
     float_format: str = "float",
+    small_batch_int8: bool = False,
 ) -> dict[str, int]:
     """Convert every `Linear` of `model` to `fmt`; returns how many took each format."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(fmt, int8_kernel, reduce_range, float_format)
+            module.pack(fmt, int8_kernel, reduce_range, float_format, small_batch_int8)
             counts[module.format] = counts.get(module.format, 0) + 1
     return counts
 
