@@ -188,3 +188,50 @@ def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
     # A margin nothing can meet: the copies are dropped, not kept unused.
     assert measure_small_rows(model, torch.float32, reps=1, margin=0.0) == 0
     assert all(m._small is None and m.small_rows == 0 for m in model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_elementwise_ops_match_the_eager_formulas(dtype):
+    from runner.models.decoder import RMSNorm
+    from runner.models.rope import RopeAt
+
+    torch.manual_seed(1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    # Odd widths: no vector tile covers them exactly.
+    for rows, width in ((1, 576), (5, 40), (33, 23)):
+        norm = RMSNorm(width, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(width).to(dtype)
+        x, res = torch.randn(rows, width).to(dtype), torch.randn(rows, width).to(dtype)
+        want = norm(x)
+        want_h, want_res = norm.add_forward(x.clone(), res.clone())
+        norm.fused = True
+        torch.testing.assert_close(norm(x), want, **tol)
+        got_h, got_res = norm.add_forward(x.clone(), res.clone())
+        assert torch.equal(got_res, want_res)  # the residual sum is rounded the same way
+        torch.testing.assert_close(got_h, want_h, **tol)
+
+        gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
+        gate, up = gate_up.split(width, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(torch.ops.headrace.silu_and_mul(gate_up), want, **tol)
+
+    # RoPE in place on a strided view (Q and K inside the fused QKV output).
+    tokens, heads, dim = 7, 12, 64
+    qkv = torch.randn(tokens, (heads + 3) * dim).to(dtype)
+    cos, sin = torch.randn(tokens, 1, dim).to(dtype), torch.randn(tokens, 1, dim).to(dtype)
+    rope = RopeAt(cos, sin)
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)
+    want = rope.rotate(qk)
+    v_before = qkv[:, heads * dim :].clone()
+    rope.rotate_(qk)
+    torch.testing.assert_close(qk, want, **tol)
+    assert torch.equal(qkv[:, heads * dim :], v_before)  # nothing outside the view moved
+
+
+def test_fused_ops_refuse_bad_shapes():
+    with pytest.raises(RuntimeError, match="gate_up"):
+        torch.ops.headrace.silu_and_mul(torch.zeros(2, 5))
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        torch.ops.headrace.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        torch.ops.headrace.silu_and_mul(torch.zeros(2, 4, dtype=torch.float16))

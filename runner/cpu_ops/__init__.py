@@ -3,6 +3,7 @@
 ```
 torch.ops.headrace.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
 torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
+torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -29,7 +30,7 @@ from runner.cache_dir import cache_dir
 
 log = logging.getLogger("headrace.cpu_ops")
 
-SOURCES = ("paged_attention.cpp", "int8_linear.cpp")
+SOURCES = ("paged_attention.cpp", "int8_linear.cpp", "elementwise.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 _DONE = "built.ok"
 

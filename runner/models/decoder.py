@@ -22,17 +22,32 @@ from runner.models.rope import RopeAt, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, as HF does."""
+    """RMSNorm computed in fp32, as HF does; `fused` runs it as one C++ op (runner/cpu_ops/)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return torch.ops.headrace.rms_norm(flat, self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). Fused, both are computed in place: x and
+        residual must be tensors this forward owns."""
+        if self.fused:
+            torch.ops.headrace.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -53,6 +68,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # Set for all layers by DecoderForCausalLM.set_attention_backend (the runner's choice).
         self.backend: AttentionBackend = TorchAttentionBackend()
+        self.fused_rope = False
 
     def forward(
         self,
@@ -72,7 +88,11 @@ class Attention(nn.Module):
         else:
             # Q and K rotate as one [T, H + KVH, D] tensor: half the RoPE ops of a layer.
             qk = qkv[:, :qk_width].view(t, self.heads + self.kv_heads, self.head_dim)
-            q, k = rope.rotate(qk).split([self.heads, self.kv_heads], dim=1)
+            if self.fused_rope:
+                rope.rotate_(qk)
+            else:
+                qk = rope.rotate(qk)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)
         # Every new token's K/V is written before any query reads: a chunk attends to itself,
         # and a prefix block filled in this step is already readable by its other users.
         self.backend.write_kv(kv_cache, k, v, meta)
@@ -97,8 +117,13 @@ class MLP(nn.Module):
             cfg.intermediate_size, cfg.hidden_size, bias=False, int8_inputs=False
         )
 
+        self.fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(torch.ops.headrace.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -113,12 +138,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RopeAt,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the layer's output is their sum, which the next
+        norm adds (one fused op instead of an add and a norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -147,14 +180,25 @@ class DecoderForCausalLM(nn.Module):
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.at(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """Every layer's attention runs on `backend`, whose metadata the runner builds."""
+        """Every layer's attention runs on `backend`, whose metadata the runner builds. The
+        `cpu` backend also brings the fused elementwise C++ ops (norms, SiLU-and-mul, RoPE);
+        every other backend keeps the eager reference formulas."""
+        fused = backend.name == "cpu"
         for layer in self.layers:
             layer.self_attn.backend = backend
+            layer.self_attn.fused_rope = fused
+            layer.mlp.fused = fused
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample."""

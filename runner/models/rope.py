@@ -81,6 +81,10 @@ class RopeAt:
         """RoPE on [T, heads, head_dim] (any heads: Q and K may come as one tensor)."""
         return x * self.cos + _rotate_half(x) * self.sin
 
+    def rotate_(self, x: torch.Tensor) -> None:
+        """`rotate` in place, as one C++ op (runner/cpu_ops/; CPU tensors)."""
+        torch.ops.headrace.rotary_(x, self.cos.squeeze(1), self.sin.squeeze(1))
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
