@@ -17,7 +17,7 @@ machine's figures):
 - bf16 linears go through oneDNN with the weight reordered once when available, else F.linear.
 - small-batch int8 (quantised checkpoint, quantization auto, weights not int8 already, the CPU
   kernels built): every linear also keeps a weight-only int8 copy, used for calls of up to
-  `small_rows` rows; `small_rows` is the largest of 1, 2, 4, 8 at which a sweep over the
+  `small_rows` rows; `small_rows` is the largest of 1, 2, 4, 8, 16 at which a sweep over the
   loaded model's own linears (all of them, so the weights stream from memory as in a real
   step) is 10% faster with the copies; 0 drops them.
 """
@@ -283,7 +283,7 @@ def int8_beats_float(
 def measure_small_rows(
     model: torch.nn.Module,
     dtype: torch.dtype,
-    candidates: Sequence[int] = (1, 2, 4, 8),
+    candidates: Sequence[int] = (1, 2, 4, 8, 16),
     reps: int = 3,
     margin: float = 0.9,
 ) -> int:

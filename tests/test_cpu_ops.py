@@ -183,7 +183,7 @@ def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
     model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
     pack_linears(model, "float", small_batch_int8=True)
     rows = measure_small_rows(model, torch.float32, reps=1)
-    assert rows in (0, 1, 2, 4, 8)
+    assert rows in (0, 1, 2, 4, 8, 16)
     assert all(m.small_rows == rows for m in model)
     # A margin nothing can meet: the copies are dropped, not kept unused.
     assert measure_small_rows(model, torch.float32, reps=1, margin=0.0) == 0
