@@ -48,12 +48,12 @@ class LoadedModel:
             checkpoint_quantized=checkpoint.is_quantized(),
             linears=model_linears(checkpoint, load_model_class),
         )
-        log.info("%s", platform.describe())
         t0 = time.perf_counter()
         model, model_config = load_model(
             source, device, platform.dtype, lookup=load_model_class, checkpoint=checkpoint
         )
         platform.prepare(model)
+        log.info("%s", platform.describe())  # after prepare: it measures and adds reasons
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
         return cls(model, model_config, tokenizer, source.name, device, platform.dtype, platform)

@@ -72,9 +72,13 @@ class TorchAttentionBackend:
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """The reference, with one-query (decode) rows on the in-place paged C++ kernel."""
+    """The reference, with one-query (decode) rows on the in-place paged C++ kernel and
+    K/V written by one C++ op."""
 
     name = "cpu"
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        torch.ops.headrace.write_kv_(kv_cache, k, v, meta.slot_mapping)
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float

@@ -235,3 +235,24 @@ def test_fused_ops_refuse_bad_shapes():
         torch.ops.headrace.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         torch.ops.headrace.silu_and_mul(torch.zeros(2, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_matches_index_copy_from_strided_views(dtype):
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 9, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(40 * 16)[:tokens]
+    want, got = (
+        torch.zeros(2, 40, 16, kv_heads, dim).to(dtype),
+        torch.zeros(2, 40, 16, kv_heads, dim).to(dtype),
+    )
+    TorchAttentionBackend().write_kv(want, k, v, type("Meta", (), {"slot_mapping": slots}))
+    torch.ops.headrace.write_kv_(got, k, v, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.headrace.write_kv_(got, k, v, slots.clone().fill_(40 * 16))
+    with pytest.raises(RuntimeError, match="one per token"):
+        torch.ops.headrace.write_kv_(got, k, v, slots[:3])

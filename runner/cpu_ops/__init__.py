@@ -2,6 +2,7 @@
 
 ```
 torch.ops.headrace.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+torch.ops.headrace.write_kv_(kv_cache, k, v, slots)
 torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
 ```
@@ -31,6 +32,7 @@ from runner.cache_dir import cache_dir
 log = logging.getLogger("headrace.cpu_ops")
 
 SOURCES = ("paged_attention.cpp", "int8_linear.cpp", "elementwise.cpp")
+HEADERS = ("vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 _DONE = "built.ok"
 
@@ -46,7 +48,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """Changes with the sources, the compiler flags, torch and the CPU."""
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         h.update((Path(__file__).parent / name).read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())

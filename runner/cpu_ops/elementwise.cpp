@@ -15,26 +15,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T narrow(float x) {
-  return static_cast<T>(x);  // round to nearest even for bf16, as torch does
-}
+using namespace headrace;
 
 // Rows per parallel chunk: at least ~16k elements each, so that a decode step of a few
 // tokens does not pay a fork/join for microseconds of work.
@@ -43,15 +32,27 @@ inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / w
 template <typename T>
 void norm_row(const T* x, const T* w, float eps, int64_t n, T* out) {
   float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = widen(x[i]);
-    ss += v * v;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
   }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) ss += widen(x[i]) * widen(x[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): normalised value rounded first.
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(x[i]) * inv)));
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 normed = round_to(_mm512_mul_ps(load16(x + i), iv), x);
+    store16(out + i, _mm512_mul_ps(load16(w + i), normed));
+  }
+#endif
+  for (; i < n; ++i) out[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(x[i]) * inv)));
 }
 
 template <typename T>
@@ -76,31 +77,15 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& res, const at::Tensor& w, floa
       T* xr = xp + r * n;
       T* rr = rp + r * n;
       // The residual sum is rounded to the dtype, as `x + attn(x)` is in the reference.
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rr[i] = narrow<T>(widen(rr[i]) + widen(xr[i]));
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#endif
+      for (; i < n; ++i) rr[i] = narrow<T>(widen(rr[i]) + widen(xr[i]));
       norm_row(rr, wp, eps, n, xr);
     }
   });
 }
-
-#if defined(__AVX512F__)
-// exp(x) for any fp32 x: 2^n * p(r) with |r| <= ln2 / 2 (relative error ~2e-7).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
@@ -108,7 +93,6 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   const T* gp = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(inter), [&](int64_t b, int64_t e) {
-    alignas(64) float silu[16];
     for (int64_t r = b; r < e; ++r) {
       const T* g = gp + r * 2 * inter;
       const T* u = g + inter;
@@ -116,14 +100,12 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= inter; i += 16) {
-        alignas(64) float gf[16];
-        for (int j = 0; j < 16; ++j) gf[j] = widen(g[i + j]);
-        const __m512 gv = _mm512_load_ps(gf);
-        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
-                                                                   _mm512_setzero_ps(), gv)));
-        _mm512_store_ps(silu, _mm512_div_ps(gv, den));
+        const __m512 gv = load16(g + i);
+        const __m512 den =
+            _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
         // silu(gate) is rounded to the dtype before the product, as F.silu's output is.
-        for (int j = 0; j < 16; ++j) o[i + j] = narrow<T>(widen(narrow<T>(silu[j])) * widen(u[i + j]));
+        const __m512 silu = round_to(_mm512_div_ps(gv, den), g);
+        store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
       }
 #endif
       for (; i < inter; ++i) {
@@ -148,7 +130,20 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       for (int64_t h = 0; h < heads; ++h) {
         T* v = xp + t * ts + h * hs;
         // x * cos + rotate_half(x) * sin, each product rounded as the eager ops round it.
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 a = load16(v + i), bb = load16(v + i + half);
+          // rotate_half negates the upper half: RNE rounding commutes with negation.
+          const __m512 lo = _mm512_sub_ps(round_to(_mm512_mul_ps(a, load16(c + i)), v),
+                                          round_to(_mm512_mul_ps(bb, load16(s + i)), v));
+          const __m512 hi = _mm512_add_ps(round_to(_mm512_mul_ps(bb, load16(c + i + half)), v),
+                                          round_to(_mm512_mul_ps(a, load16(s + i + half)), v));
+          store16(v + i, lo);
+          store16(v + i + half, hi);
+        }
+#endif
+        for (; i < half; ++i) {
           const float a = widen(v[i]), bb = widen(v[i + half]);
           const float lo = widen(narrow<T>(a * widen(c[i]))) +
                            widen(narrow<T>(-bb * widen(s[i])));

@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -59,6 +59,32 @@ inline void dot_tile(const float* x, int64_t k_dim, const int8_t* w, float* out)
   }
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NT; ++j) out[m * NT + j] = _mm512_reduce_add_ps(acc[m][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same on 8 lanes (AVX2-only CPUs such as AMD Zen 3).
+  __m256 acc[R][NT];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  const int8_t* ahead = w + PF_TILES * NT * k_dim;
+  for (; k + 8 <= k_dim; k += 8) {
+    if ((k & 63) == 0)
+      for (int j = 0; j < NT; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * k_dim + k), _MM_HINT_T0);
+    __m256 wv[NT];
+    for (int j = 0; j < NT; ++j) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * k_dim + k));
+      wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed));
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k_dim + k);
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NT; ++j) {
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]), _mm256_extractf128_ps(acc[m][j], 1));
+      v = _mm_hadd_ps(v, v);
+      out[m * NT + j] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
+    }
 #else
   for (int i = 0; i < R * NT; ++i) out[i] = 0.0f;
 #endif
@@ -69,11 +95,19 @@ inline void dot_tile(const float* x, int64_t k_dim, const int8_t* w, float* out)
     }
 }
 
-// All rows against NT weight rows, four input rows at a time (the weight tile stays in L1).
+// All rows against NT weight rows, a few input rows at a time (the weight tile stays in
+// L1). AVX2 has 16 vector registers, not 32: two rows there, or the accumulators spill.
+#if defined(__AVX512F__)
+constexpr int kRowTile = 4;
+#else
+constexpr int kRowTile = 2;
+#endif
+
 template <int NT>
 inline void dot_rows(const float* x, int64_t rows, int64_t k_dim, const int8_t* w, float* out) {
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) dot_tile<4, NT>(x + m * k_dim, k_dim, w, out + m * NT);
+  for (; m + kRowTile <= rows; m += kRowTile)
+    dot_tile<kRowTile, NT>(x + m * k_dim, k_dim, w, out + m * NT);
   if (rows - m >= 2) {
     dot_tile<2, NT>(x + m * k_dim, k_dim, w, out + m * NT);
     m += 2;

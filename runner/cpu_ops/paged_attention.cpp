@@ -16,30 +16,21 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-
-inline float to_float(c10::BFloat16 x) {
-  // bf16 is the top half of an fp32: a shift, which the compiler vectorises.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using namespace headrace;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
 template <typename T>
@@ -100,29 +91,13 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 #if defined(__AVX512F__)
 // AVX-512 path for the common head sizes: 16 lanes, the query row kept in registers.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// exp(x) for x <= 0 (softmax after the max is subtracted): 2^n * p(r), |r| <= ln2 / 2, with a
-// degree-6 polynomial; relative error ~2e-7, below fp32 rounding of the sums that follow.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// Prefetch a block's rows for this KV head while the previous block is computed: blocks
+// sit anywhere in a cache of hundreds of MB, so each is a cold, non-sequential read.
+template <typename T>
+inline void prefetch_block(const T* row, int64_t n, int64_t token_stride, int64_t width) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < width; off += 64 / static_cast<int64_t>(sizeof(T)))
+      _mm_prefetch(reinterpret_cast<const char*>(row + t * token_stride + off), _MM_HINT_T0);
 }
 
 template <int D, typename T>
@@ -141,9 +116,13 @@ void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     for (int i = 0; i < NV; ++i)
       _mm512_storeu_ps(qs + j * D + i * 16,
                        _mm512_mul_ps(load16(q + j * D + i * 16), _mm512_set1_ps(scale)));
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
     const T* k = k_cache + table[blk] * block_stride + kvh * D;
     const int64_t n = std::min(block_size, seq_len - start);
+    if (blk + 1 < num_blocks)
+      prefetch_block(k_cache + table[blk + 1] * block_stride + kvh * D,
+                     std::min(block_size, seq_len - start - block_size), token_stride, D);
     for (int64_t t = 0; t < n; ++t, k += token_stride) {
       __m512 kv[NV];
       for (int i = 0; i < NV; ++i) kv[i] = load16(k + i * 16);
@@ -173,6 +152,9 @@ void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
       const T* v = v_cache + table[blk] * block_stride + kvh * D;
       const int64_t n = std::min(block_size, seq_len - start);
+      if (j == 0 && blk + 1 < num_blocks)  // later heads find the rows in cache
+        prefetch_block(v_cache + table[blk + 1] * block_stride + kvh * D,
+                       std::min(block_size, seq_len - start - block_size), token_stride, D);
       for (int64_t t = 0; t < n; ++t, v += token_stride) {
         const __m512 p = _mm512_set1_ps(scores[start + t]);
         for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + i * 16), acc[i]);
@@ -261,12 +243,52 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// The step's new keys and values [T, KVH, D] (strided views into the QKV output are fine)
+// into their cache slots: one op for K and V instead of two index_copy_ calls.
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache [2, N, S, KVH, D]");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v [T, KVH, D] with contiguous rows");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and kv_cache dtypes differ");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
+              "k's heads do not match the cache");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0),
+              "slots must be int64, one per token");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range of the cache");
+  const int64_t row_bytes = dim * static_cast<int64_t>(k.element_size());
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t half_bytes = kv_cache.stride(0) * static_cast<int64_t>(k.element_size());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = static_cast<int64_t>(k.element_size());
+  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      char* dst = cache + sp[t] * heads * row_bytes;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(dst + h * row_bytes, kp + (t * k.stride(0) + h * k.stride(1)) * es,
+                    row_bytes);
+        std::memcpy(dst + half_bytes + h * row_bytes,
+                    vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(headrace, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_", &write_kv_);
 }
