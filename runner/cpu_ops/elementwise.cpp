@@ -104,7 +104,10 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
         const __m512 den =
             _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
         // silu(gate) is rounded to the dtype before the product, as F.silu's output is.
-        const __m512 silu = round_to(_mm512_div_ps(gv, den), g);
+        // 1 / den by rcp14 and one Newton step (~23 bits): a division costs 3-4x more.
+        __m512 inv = _mm512_rcp14_ps(den);
+        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
+        const __m512 silu = round_to(_mm512_mul_ps(gv, inv), g);
         store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
       }
 #endif

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -156,7 +157,16 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_weight_linear: fp32 or bf16 inputs only, got ", x.scalar_type());
   const int64_t rows = x.size(0), k_dim = x.size(1), n_dim = qweight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // small: a few rows
+  // The few input rows widened to fp32 here, not by a torch op: at batch 1 a separate
+  // `to(float)` cost as much dispatch time as a small layer's whole product.
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> xf(rows * k_dim);
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(xf.data(), xc.data_ptr<float>(), xf.size() * sizeof(float));
+  } else {
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < rows * k_dim; ++i) xf[i] = static_cast<float>(xb[i]);
+  }
   const at::Tensor sc = scale.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -166,10 +176,10 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   at::Tensor out = at::empty({rows, n_dim}, x.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    run<float>(xf.data_ptr<float>(), rows, k_dim, qweight.data_ptr<int8_t>(),
+    run<float>(xf.data(), rows, k_dim, qweight.data_ptr<int8_t>(),
                sc.data_ptr<float>(), bp, n_dim, out.data_ptr<float>());
   } else {
-    run<c10::BFloat16>(xf.data_ptr<float>(), rows, k_dim, qweight.data_ptr<int8_t>(),
+    run<c10::BFloat16>(xf.data(), rows, k_dim, qweight.data_ptr<int8_t>(),
                        sc.data_ptr<float>(), bp, n_dim, out.data_ptr<c10::BFloat16>());
   }
   return out;
