@@ -1,0 +1,142 @@
+"""The C++ CPU kernels (runner/cpu_ops/) against what they replace, same process.
+
+    python benchmarks/cpu_kernels.py [--threads N]
+
+1. Decode attention over the paged cache: the kernel (reads blocks in place) against the
+   torch reference (gathers each request's blocks, then SDPA), SmolLM2 heads (9 / 3 x 64),
+   bf16, blocks scattered over a 1500-block cache.
+2. Weight-only int8 GEMV against oneDNN bf16 on prepacked weights, summed over all of the
+   embedded model's linears in turn (weights stream from memory as in a real step), at
+   1, 4, 8 and 16 rows.
+3. Fused elementwise ops against the eager formulas they replace, bf16, 32 rows.
+
+Each figure is the best of several rounds (a busy neighbour only adds time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from machine import cpu_description
+
+from daemon.engine_config import EngineConfig
+from daemon.loaded_model import LoadedModel
+from runner import attention
+from runner.cpu_ops import load_cpu_ops
+from runner.layers.linear import Linear
+from runner.models.decoder import RMSNorm
+from runner.models.rope import RopeAt
+
+
+def best_ms(fn: Callable[[], object], reps: int = 20, rounds: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best * 1e3
+
+
+def decode_attention(batch: int, context: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    blocks, block_size, kv_heads, dim, heads = 1500, 16, 3, 64, 9
+    kv = torch.randn(2, blocks, block_size, kv_heads, dim).bfloat16()
+    per = -(-context // block_size)
+    order = torch.randperm(blocks)[: batch * per].view(batch, per).tolist()
+    meta = attention.build_metadata(
+        [context - 1] * batch, [1] * batch, order, block_size, torch.device("cpu")
+    )
+    q = torch.randn(batch, heads, dim).bfloat16()
+    kernel = torch.ops.headrace.paged_decode_attention
+    ref = best_ms(lambda: attention.paged_attention(q, kv, meta, 0.125))
+    fast = best_ms(lambda: attention.paged_attention(q, kv, meta, 0.125, kernel))
+    return ref, fast
+
+
+def linear_sweep(layers: list[Linear], rows: int) -> tuple[float, float]:
+    inputs = {k: torch.randn(rows, k).bfloat16() for k in {m.in_features for m in layers}}
+
+    def sweep() -> None:
+        for m in layers:
+            m(inputs[m.in_features])
+
+    times = {}
+    for use in (0, rows):
+        for m in layers:
+            m.small_rows = use
+        times[use] = best_ms(sweep, reps=2, rounds=4)
+    return times[0], times[rows]
+
+
+def elementwise() -> dict[str, tuple[float, float]]:
+    torch.manual_seed(0)
+    rows, hidden, inter, dim = 32, 576, 1536, 64
+    out = {}
+    norm = RMSNorm(hidden, 1e-5).bfloat16()
+    x, res = torch.randn(rows, hidden).bfloat16(), torch.randn(rows, hidden).bfloat16()
+    eager = best_ms(lambda: norm.add_forward(x.clone(), res.clone()))
+    norm.fused = True
+    out["add_rms_norm"] = (eager, best_ms(lambda: norm.add_forward(x.clone(), res.clone())))
+    gate_up = torch.randn(rows, 2 * inter).bfloat16()
+
+    def silu_mul() -> torch.Tensor:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+
+    fused = best_ms(lambda: torch.ops.headrace.silu_and_mul(gate_up))
+    out["silu_and_mul"] = (best_ms(silu_mul), fused)
+    qk = torch.randn(rows, 12, dim).bfloat16()
+    rope = RopeAt(torch.randn(rows, 1, dim).bfloat16(), torch.randn(rows, 1, dim).bfloat16())
+    out["rope"] = (best_ms(lambda: rope.rotate(qk)), best_ms(lambda: rope.rotate_(qk.clone())))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    print(cpu_description())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    missing = load_cpu_ops()
+    if missing is not None:
+        raise SystemExit(f"the CPU kernels did not build here: {missing}")
+    fields = []
+    print(f"threads {torch.get_num_threads()}")
+    print("decode attention, bf16, SmolLM2 heads: torch reference vs kernel (ms)")
+    with torch.inference_mode():
+        for batch, context in ((1, 160), (32, 160), (1, 2000), (8, 2000)):
+            ref, fast = decode_attention(batch, context)
+            ratio = ref / fast
+            print(f"  batch {batch:2d} x {context:4d} keys: {ref:.3f} vs {fast:.3f} ({ratio:.2f}x)")
+            fields.append(f"attn_b{batch}_k{context}={ref / fast:.2f}")
+        loaded = LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16", quantization="none"))
+        layers = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+        for m in layers:
+            # Both formats on every layer: int8 copies of the right shapes (random: the speed
+            # does not depend on the values).
+            m._small = (
+                torch.randint(-127, 128, (m.out_features, m.in_features), dtype=torch.int8),
+                torch.rand(m.out_features) * 0.01,
+            )
+        print("all linears of the model in turn: oneDNN bf16 vs int8 GEMV (ms per sweep)")
+        for rows in (1, 4, 8, 16):
+            ref, fast = linear_sweep(layers, rows)
+            print(f"  {rows:2d} rows: {ref:.2f} vs {fast:.2f} ({ref / fast:.2f}x)")
+            fields.append(f"gemv_r{rows}={ref / fast:.2f}")
+        print("fused elementwise ops, bf16, 32 rows: eager vs fused (ms)")
+        for name, (ref, fast) in elementwise().items():
+            print(f"  {name:14s} {ref:.4f} vs {fast:.4f} ({ref / fast:.2f}x)")
+            fields.append(f"{name}={ref / fast:.2f}")
+    print(f"RESULT {' '.join(fields)} threads={torch.get_num_threads()}")
+
+
+if __name__ == "__main__":
+    main()
