@@ -52,6 +52,7 @@ def instrumented() -> Iterator[None]:
         (TorchAttentionBackend, "write_kv", "write_kv"),
         (TorchAttentionBackend, "forward", "paged_attention"),
         (CpuKernelAttentionBackend, "forward", "paged_attention"),
+        (CpuKernelAttentionBackend, "write_kv", "write_kv"),
         (ModelRunner, "_sample", "sample"),
         (Linear, "forward", "linear"),
     ]
