@@ -33,24 +33,22 @@ template <typename T>
 void norm_row(const T* x, const T* w, float eps, int64_t n, T* out) {
   float ss = 0.0f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+#if HEADRACE_VEC
+  Vec acc = Vec::set1(0.0f);
+  for (; i + Vec::N <= n; i += Vec::N) {
+    const Vec v = Vec::load(x + i);
+    acc = Vec::fmadd(v, v, acc);
   }
-  ss = _mm512_reduce_add_ps(acc);
+  ss = acc.sum();
 #endif
   for (; i < n; ++i) ss += widen(x[i]) * widen(x[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): normalised value rounded first.
   i = 0;
-#if defined(__AVX512F__)
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 normed = round_to(_mm512_mul_ps(load16(x + i), iv), x);
-    store16(out + i, _mm512_mul_ps(load16(w + i), normed));
-  }
+#if HEADRACE_VEC
+  const Vec iv = Vec::set1(inv);
+  for (; i + Vec::N <= n; i += Vec::N)
+    (Vec::load(w + i) * (Vec::load(x + i) * iv).rounded(x)).store(out + i);
 #endif
   for (; i < n; ++i) out[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(x[i]) * inv)));
 }
@@ -78,8 +76,8 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& res, const at::Tensor& w, floa
       T* rr = rp + r * n;
       // The residual sum is rounded to the dtype, as `x + attn(x)` is in the reference.
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#if HEADRACE_VEC
+      for (; i + Vec::N <= n; i += Vec::N) (Vec::load(rr + i) + Vec::load(xr + i)).store(rr + i);
 #endif
       for (; i < n; ++i) rr[i] = narrow<T>(widen(rr[i]) + widen(xr[i]));
       norm_row(rr, wp, eps, n, xr);
@@ -98,17 +96,13 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 den =
-            _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+#if HEADRACE_VEC
+      const Vec one = Vec::set1(1.0f), zero = Vec::set1(0.0f);
+      for (; i + Vec::N <= inter; i += Vec::N) {
+        const Vec gv = Vec::load(g + i);
         // silu(gate) is rounded to the dtype before the product, as F.silu's output is.
-        // 1 / den by rcp14 and one Newton step (~23 bits): a division costs 3-4x more.
-        __m512 inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-        const __m512 silu = round_to(_mm512_mul_ps(gv, inv), g);
-        store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+        const Vec silu = (gv * (one + (zero - gv).exp()).rcp()).rounded(g);
+        (silu * Vec::load(u + i)).store(o + i);
       }
 #endif
       for (; i < inter; ++i) {
@@ -134,16 +128,15 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
         T* v = xp + t * ts + h * hs;
         // x * cos + rotate_half(x) * sin, each product rounded as the eager ops round it.
         int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= half; i += 16) {
-          const __m512 a = load16(v + i), bb = load16(v + i + half);
+#if HEADRACE_VEC
+        for (; i + Vec::N <= half; i += Vec::N) {
+          const Vec a = Vec::load(v + i), bb = Vec::load(v + i + half);
           // rotate_half negates the upper half: RNE rounding commutes with negation.
-          const __m512 lo = _mm512_sub_ps(round_to(_mm512_mul_ps(a, load16(c + i)), v),
-                                          round_to(_mm512_mul_ps(bb, load16(s + i)), v));
-          const __m512 hi = _mm512_add_ps(round_to(_mm512_mul_ps(bb, load16(c + i + half)), v),
-                                          round_to(_mm512_mul_ps(a, load16(s + i + half)), v));
-          store16(v + i, lo);
-          store16(v + i + half, hi);
+          const Vec lo = (a * Vec::load(c + i)).rounded(v) - (bb * Vec::load(s + i)).rounded(v);
+          const Vec hi = (bb * Vec::load(c + i + half)).rounded(v) +
+                         (a * Vec::load(s + i + half)).rounded(v);
+          lo.store(v + i);
+          hi.store(v + i + half);
         }
 #endif
         for (; i < half; ++i) {

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -72,6 +72,102 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
+
+// One vector of fp32 lanes, the widest this build has: the elementwise kernels are written
+// once against it. HEADRACE_VEC is 0 where neither AVX-512 nor AVX2+FMA is available (the
+// kernels' scalar loops then do all the work).
+#if defined(__AVX512F__)
+#define HEADRACE_VEC 1
+struct Vec {
+  static constexpr int N = 16;
+  __m512 v;
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  template <typename T>
+  static Vec load(const T* p) { return {load16(p)}; }
+  template <typename T>
+  void store(T* p) const { store16(p, v); }
+  // The value a store to T then a load would give: where the eager formulas round.
+  template <typename T>
+  Vec rounded(const T* tag) const { return {round_to(v, tag)}; }
+  Vec exp() const { return {exp16(v)}; }
+  // 1 / v: a 14-bit estimate and one Newton step (~23 bits); a division costs 3-4x more.
+  Vec rcp() const {
+    const __m512 r = _mm512_rcp14_ps(v);
+    return {_mm512_mul_ps(r, _mm512_fnmadd_ps(v, r, _mm512_set1_ps(2.0f)))};
+  }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HEADRACE_VEC 1
+struct Vec {
+  static constexpr int N = 8;
+  __m256 v;
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  __m128i bf16() const {
+    // Round to nearest even on the bit pattern; NaN keeps a quiet NaN.
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    // packus works within 128-bit halves: keep qwords 0 and 2, one copy of each half.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(packed);
+  }
+  void store(c10::BFloat16* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16());
+  }
+  Vec rounded(const float*) const { return *this; }
+  Vec rounded(const c10::BFloat16*) const {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16()), 16))};
+  }
+  Vec exp() const {
+    // As exp16, with 2^n built from the exponent bits (AVX2 has no scalef).
+    const __m256 x =
+        _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.3888889e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
+  }
+  Vec rcp() const {
+    const __m256 r = _mm256_rcp_ps(v);
+    return {_mm256_mul_ps(r, _mm256_fnmadd_ps(v, r, _mm256_set1_ps(2.0f)))};
+  }
+  float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  }
+  friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+};
+#else
+#define HEADRACE_VEC 0
 #endif
 
 }  // namespace headrace
