@@ -7,6 +7,11 @@ build, which `test_a_failed_build_falls_back_to_the_reference` shows.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,7 +20,7 @@ from runner.attention_backends import (
     TorchAttentionBackend,
     select_attention_backend,
 )
-from runner.cpu_ops import load_cpu_ops
+from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
 
 CPU = torch.device("cpu")
 
@@ -256,3 +261,18 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
         torch.ops.headrace.write_kv_(got, k, v, slots.clone().fill_(40 * 16))
     with pytest.raises(RuntimeError, match="one per token"):
         torch.ops.headrace.write_kv_(got, k, v, slots[:3])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
+def test_the_avx2_build_passes_these_tests_too(tmp_path):
+    # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
+    # Here the same tests run in a fresh process on a build without AVX-512.
+    env = {**os.environ, EXTRA_CFLAGS_ENV: "-mno-avx512f", "HEADRACE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not avx2_build"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert any(tmp_path.glob("cpu_ops/*/built.ok"))  # it really built its own library

@@ -34,6 +34,15 @@ log = logging.getLogger("headrace.cpu_ops")
 SOURCES = ("paged_attention.cpp", "int8_linear.cpp", "elementwise.cpp")
 HEADERS = ("vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+# Appended to CFLAGS (and to the build key): `-mno-avx512f` builds the AVX2 paths on an
+# AVX-512 machine, which is how the tests cover both on one CPU.
+EXTRA_CFLAGS_ENV = "HEADRACE_CPU_OPS_CFLAGS"
+
+
+def cflags() -> list[str]:
+    return [*CFLAGS, *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
+
+
 _DONE = "built.ok"
 
 
@@ -50,7 +59,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update((Path(__file__).parent / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -91,7 +100,7 @@ def build_and_load(build_dir: Path) -> str | None:
         load(
             name=name,
             sources=[str(Path(__file__).parent / source) for source in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=cflags(),
             # at::parallel_for is inline OpenMP: linked by soname to the libgomp.so.1 torch
             # has already loaded, so both share one thread pool (and the governor's setting).
             extra_ldflags=["-fopenmp"],

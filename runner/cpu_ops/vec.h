@@ -24,6 +24,13 @@ inline T narrow(float x) {
   return static_cast<T>(x);  // round to nearest even for bf16, as torch does
 }
 
+// exp(x) = 2^n * p(r), n = round(x * log2 e), r = x - n ln2 (ln2 in two parts, for the
+// rounding of n * ln2), |r| <= ln2 / 2; p is the degree-6 Taylor polynomial (relative error
+// ~2e-7). Constants shared by the 16- and 8-lane versions.
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f;
+constexpr float kExpPoly[] = {1.3888889e-3f, 8.3333333e-3f, 4.1666667e-2f, 1.6666667e-1f,
+                              0.5f,          1.0f,          1.0f};
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -56,20 +63,14 @@ inline __m512 round_to(__m512 v, const c10::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
-// exp(x) for any fp32 x: 2^n * p(r) with |r| <= ln2 / 2 (relative error ~2e-7).
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 #endif
@@ -137,17 +138,12 @@ struct Vec {
     // As exp16, with 2^n built from the exponent bits (AVX2 has no scalef).
     const __m256 x =
         _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.3888889e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
