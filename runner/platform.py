@@ -293,7 +293,7 @@ def measure_small_rows(
     NOTE: a single layer stays in cache between calls and flatters the bigger format: the
     bf16 copies of all layers (270 MB for SmolLM2) stream from memory in a real step.
     """
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m._small is not None]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.has_small_batch_int8]
     best_rows = 0
     with torch.inference_mode():
         for rows in candidates:

@@ -192,7 +192,7 @@ def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
     assert all(m.small_rows == rows for m in model)
     # A margin nothing can meet: the copies are dropped, not kept unused.
     assert measure_small_rows(model, torch.float32, reps=1, margin=0.0) == 0
-    assert all(m._small is None and m.small_rows == 0 for m in model)
+    assert all(not m.has_small_batch_int8 and m.small_rows == 0 for m in model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -8,9 +8,10 @@ torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementw
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
-builder (g++, ninja) into the cache directory, keyed by the sources, torch's version and the
-CPU's flags (they are compiled for this CPU: `-march=native`), and loads the library; later
-starts load the built library directly. Without a compiler the engine keeps the torch
+builder (g++, ninja) into the cache directory, keyed by the sources, the compiler flags
+(`HEADRACE_CPU_OPS_CFLAGS` appends some), torch's version and the CPU's flags (they are
+compiled for this CPU: `-march=native`), and loads the library; later starts load the built
+library directly. Without a compiler the engine keeps the torch
 reference and says why in the log.
 """
 
@@ -39,11 +40,12 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 EXTRA_CFLAGS_ENV = "HEADRACE_CPU_OPS_CFLAGS"
 
 
+# Written into a build directory once its library is complete.
+_DONE = "built.ok"
+
+
 def cflags() -> list[str]:
     return [*CFLAGS, *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
-
-
-_DONE = "built.ok"
 
 
 def _cpu_flags() -> str:

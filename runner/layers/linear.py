@@ -172,6 +172,10 @@ class Linear(nn.Linear):
         self.weight = None  # type: ignore[assignment]
         self.format = fmt
 
+    @property
+    def has_small_batch_int8(self) -> bool:
+        return self._small is not None
+
     def drop_small_batch_int8(self) -> None:
         self._small, self.small_rows = None, 0
 
