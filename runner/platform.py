@@ -200,7 +200,13 @@ def select_platform(
         reasons.append("int8 linears keep float32 activations and KV cache")
     if fmt == "int8" and feats.native_bf16 and onednn_bf16_available():
         float_format = "onednn"  # the layers int8 leaves float: bf16 weights where native
-    small = quantization == "auto" and checkpoint_quantized and fmt != "int8"
+    # The GEMV takes fp32 or bf16 activations (not fp16).
+    small = (
+        quantization == "auto"
+        and checkpoint_quantized
+        and fmt != "int8"
+        and chosen in (torch.float32, torch.bfloat16)
+    )
     if small:
         from runner.cpu_ops import load_cpu_ops
 

@@ -182,6 +182,10 @@ def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
     assert lost.small_batch_int8 and not p.small_batch_int8
     assert not plain_file.small_batch_int8 and not forced.small_batch_int8
     assert not select_platform(CPU, "auto", "none", True, **kw).small_batch_int8
+    # The GEMV takes fp32 or bf16 activations only.
+    assert not select_platform(
+        CPU, "float16", "auto", True, int8_faster=faster(False), **kw
+    ).small_batch_int8
 
 
 def test_cuda_platform_and_bad_names():

@@ -48,14 +48,6 @@ def cflags() -> list[str]:
     return [*CFLAGS, *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
 
 
-def _cpu_flags() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return line
-    return torch.backends.cpu.get_cpu_capability()
-
-
 def build_key() -> str:
     """Changes with the sources, the compiler flags, torch and the CPU."""
     h = hashlib.sha256()
@@ -63,7 +55,10 @@ def build_key() -> str:
         h.update((Path(__file__).parent / name).read_bytes())
     h.update(" ".join(cflags()).encode())
     h.update(torch.__version__.encode())
-    h.update(_cpu_flags().encode())
+    # The platform's own flag reader (imported here: it imports this package lazily).
+    from runner.platform import read_cpu_flags
+
+    h.update(" ".join(sorted(read_cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 
