@@ -18,18 +18,12 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-inline __m512 widen16(const int8_t* w) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed));
-}
-#endif
+using namespace headrace;
 
 // Dot products of R fp32 input rows with NT consecutive int8 weight rows: out[m * NT + j].
 // R and NT are template arguments so that the R x NT accumulators live in registers; NT
@@ -39,53 +33,27 @@ constexpr int PF_TILES = 4;
 template <int R, int NT>
 inline void dot_tile(const float* x, int64_t k_dim, const int8_t* w, float* out) {
   int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 acc[R][NT];
+#if HEADRACE_VEC
+  Vec acc[R][NT];
   for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[m][j] = Vec::set1(0.0f);
   // The hardware prefetcher does not keep up with NT interleaved rows streamed from DRAM
   // (a single thread read 5.6 GB/s of weights without this, 11 GB/s with it): fetch the
   // same place PF_TILES tiles ahead, one 64-byte line per row every 64 weights.
   const int8_t* ahead = w + PF_TILES * NT * k_dim;
-  for (; k + 16 <= k_dim; k += 16) {
+  for (; k + Vec::N <= k_dim; k += Vec::N) {
     if ((k & 63) == 0)
       for (int j = 0; j < NT; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * k_dim + k), _MM_HINT_T0);
-    __m512 wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = widen16(w + j * k_dim + k);
+    Vec wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = Vec::load(w + j * k_dim + k);
     for (int m = 0; m < R; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * k_dim + k);
-      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      const Vec xv = Vec::load(x + m * k_dim + k);
+      for (int j = 0; j < NT; ++j) acc[m][j] = Vec::fmadd(xv, wv[j], acc[m][j]);
     }
   }
   for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NT; ++j) out[m * NT + j] = _mm512_reduce_add_ps(acc[m][j]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // The same on 8 lanes (AVX2-only CPUs such as AMD Zen 3).
-  __m256 acc[R][NT];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
-  const int8_t* ahead = w + PF_TILES * NT * k_dim;
-  for (; k + 8 <= k_dim; k += 8) {
-    if ((k & 63) == 0)
-      for (int j = 0; j < NT; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * k_dim + k), _MM_HINT_T0);
-    __m256 wv[NT];
-    for (int j = 0; j < NT; ++j) {
-      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * k_dim + k));
-      wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed));
-    }
-    for (int m = 0; m < R; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * k_dim + k);
-      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NT; ++j) {
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]), _mm256_extractf128_ps(acc[m][j], 1));
-      v = _mm_hadd_ps(v, v);
-      out[m * NT + j] = _mm_cvtss_f32(_mm_hadd_ps(v, v));
-    }
+    for (int j = 0; j < NT; ++j) out[m * NT + j] = acc[m][j].sum();
 #else
   for (int i = 0; i < R * NT; ++i) out[i] = 0.0f;
 #endif

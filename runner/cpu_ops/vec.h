@@ -86,6 +86,11 @@ struct Vec {
   static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
   template <typename T>
   static Vec load(const T* p) { return {load16(p)}; }
+  // 16 int8 values widened to fp32 (exact).
+  static Vec load(const int8_t* p) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed))};
+  }
   template <typename T>
   void store(T* p) const { store16(p, v); }
   // The value a store to T then a load would give: where the eager formulas round.
@@ -113,6 +118,10 @@ struct Vec {
   static Vec load(const c10::BFloat16* p) {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
+  }
+  static Vec load(const int8_t* p) {
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   __m128i bf16() const {
