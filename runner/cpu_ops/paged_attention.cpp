@@ -88,8 +88,9 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       out[j * head_dim + d] = static_cast<T>(acc[j * head_dim + d] * inv_sum[j]);
 }
 
-#if defined(__AVX512F__)
-// AVX-512 path for the common head sizes: 16 lanes, the query row kept in registers.
+#if HEADRACE_VEC
+// Vector path for the common head sizes (AVX-512 or AVX2, through Vec): the key row is
+// widened once per token for all g query heads.
 
 // Prefetch a block's rows for this KV head while the previous block is computed: blocks
 // sit anywhere in a cache of hundreds of MB, so each is a cold, non-sequential read.
@@ -101,22 +102,20 @@ inline void prefetch_block(const T* row, int64_t n, int64_t token_stride, int64_
 }
 
 template <int D, typename T>
-void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                       int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
-                       int64_t block_size, float scale, T* out) {
-  constexpr int NV = D / 16;
+void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                    int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
+                    int64_t block_size, float scale, T* out) {
+  constexpr int NV = D / Vec::N;
   const int64_t token_stride = kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t padded = (seq_len + 15) / 16 * 16;
-  // Scores of all g heads first: each key row is loaded and widened once, not g times.
-  std::vector<float> all_scores(group * padded);
-  std::vector<float> q_scaled(group * D);
+  const int64_t padded = (seq_len + Vec::N - 1) / Vec::N * Vec::N;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  std::vector<float> all_scores(group * padded), q_scaled(group * D);
   float* qs = q_scaled.data();
   for (int64_t j = 0; j < group; ++j)
     for (int i = 0; i < NV; ++i)
-      _mm512_storeu_ps(qs + j * D + i * 16,
-                       _mm512_mul_ps(load16(q + j * D + i * 16), _mm512_set1_ps(scale)));
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      (Vec::load(q + j * D + i * Vec::N) * Vec::set1(scale)).store(qs + j * D + i * Vec::N);
+  // Scores of all g heads, one pass over the keys.
   for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
     const T* k = k_cache + table[blk] * block_stride + kvh * D;
     const int64_t n = std::min(block_size, seq_len - start);
@@ -124,31 +123,32 @@ void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
       prefetch_block(k_cache + table[blk + 1] * block_stride + kvh * D,
                      std::min(block_size, seq_len - start - block_size), token_stride, D);
     for (int64_t t = 0; t < n; ++t, k += token_stride) {
-      __m512 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16(k + i * 16);
+      Vec kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = Vec::load(k + i * Vec::N);
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = qs + j * D;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
-        for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + i * 16), kv[i], acc);
-        all_scores[j * padded + start + t] = _mm512_reduce_add_ps(acc);
+        Vec acc = Vec::load(qj) * kv[0];
+        for (int i = 1; i < NV; ++i) acc = Vec::fmadd(Vec::load(qj + i * Vec::N), kv[i], acc);
+        all_scores[j * padded + start + t] = acc.sum();
       }
     }
   }
   for (int64_t j = 0; j < group; ++j) {
+    // Softmax (max subtracted: exp never overflows). Padding lanes hold -inf, whose exp is
+    // clamped to ~1e-38: nothing against a sum of at least 1.
     float* scores = all_scores.data() + j * padded;
-    const float m = *std::max_element(scores, scores + seq_len);
+    const Vec mv = Vec::set1(*std::max_element(scores, scores + seq_len));
     for (int64_t t = seq_len; t < padded; ++t) scores[t] = -INFINITY;
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), mv));
-      _mm512_storeu_ps(scores + t, e);
-      sum = _mm512_add_ps(sum, e);
+    Vec sum = Vec::set1(0.0f);
+    for (int64_t t = 0; t < padded; t += Vec::N) {
+      const Vec e = (Vec::load(scores + t) - mv).exp();
+      e.store(scores + t);
+      sum = sum + e;
     }
-    const float inv_sum = 1.0f / _mm512_reduce_add_ps(sum);
+    const float inv_sum = 1.0f / sum.sum();
     // Weighted values, one pass.
-    __m512 acc[NV];
-    for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
+    Vec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = Vec::set1(0.0f);
     for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
       const T* v = v_cache + table[blk] * block_stride + kvh * D;
       const int64_t n = std::min(block_size, seq_len - start);
@@ -156,14 +156,11 @@ void decode_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
         prefetch_block(v_cache + table[blk + 1] * block_stride + kvh * D,
                        std::min(block_size, seq_len - start - block_size), token_stride, D);
       for (int64_t t = 0; t < n; ++t, v += token_stride) {
-        const __m512 p = _mm512_set1_ps(scores[start + t]);
-        for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(p, load16(v + i * 16), acc[i]);
+        const Vec p = Vec::set1(scores[start + t]);
+        for (int i = 0; i < NV; ++i) acc[i] = Vec::fmadd(p, Vec::load(v + i * Vec::N), acc[i]);
       }
     }
-    alignas(64) float row[D];
-    for (int i = 0; i < NV; ++i)
-      _mm512_store_ps(row + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum)));
-    for (int d = 0; d < D; ++d) out[j * D + d] = static_cast<T>(row[d]);
+    for (int i = 0; i < NV; ++i) (acc[i] * Vec::set1(inv_sum)).store(out + j * D + i * Vec::N);
   }
 }
 #endif
@@ -184,15 +181,15 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
       const int64_t offset = (b * heads + kvh * group) * head_dim;
       const int64_t* table = table_ptr + b * max_blocks;
-#if defined(__AVX512F__)
+#if HEADRACE_VEC
       if (head_dim == 64) {
-        decode_one_avx512<64>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
+        decode_one_vec<64>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
                               block_size, scale, out_ptr + offset);
         continue;
       }
       if (head_dim == 128) {
-        decode_one_avx512<128>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group,
-                               kv_heads, block_size, scale, out_ptr + offset);
+        decode_one_vec<128>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
+                            block_size, scale, out_ptr + offset);
         continue;
       }
 #endif
