@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -231,6 +232,40 @@ def _cuda_platform(device: torch.device, dtype: str, quantization: str) -> Platf
     return Platform(device, chosen, "float", reasons=["CUDA: float weights"])
 
 
+def best_of_interleaved(runs: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
+    """Seconds of each run, best of `rounds` rounds that take every run in turn: a busy
+    neighbour only ever adds time, so the minimum is the figure least disturbed by the
+    machine's other work, and interleaving spreads a drift over all runs alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for key, run in runs.items():
+            t = time.perf_counter()
+            run()
+            best[key] = min(best[key], time.perf_counter() - t)
+    return best
+
+
+def _calls(layer: Linear, inputs: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for x in inputs:
+            layer(x)
+
+    return run
+
+
+def _sweep(
+    layers: list[Linear], inputs: dict[int, torch.Tensor], small_rows: int
+) -> Callable[[], None]:
+    """Every layer once, in model order, with its int8 copy used up to `small_rows` rows."""
+
+    def run() -> None:
+        for m in layers:
+            m.small_rows = small_rows
+            m(inputs[m.in_features])
+
+    return run
+
+
 def int8_beats_float(
     dtype: torch.dtype,
     float_format: str,
@@ -264,15 +299,9 @@ def int8_beats_float(
                 layer.pack(float_format if name == "float" else "int8", float_format=float_format)
                 inputs = [torch.randn(n, shape.in_features, dtype=act) for n in rows]
                 layers[name] = (layer, inputs)
-            # Interleaved rounds, best of each: a busy neighbour only ever adds time, so the
-            # minimum is the figure least disturbed by the machine's other work.
-            best = {"float": float("inf"), "int8": float("inf")}
-            for _ in range(reps):
-                for name, (layer, inputs) in layers.items():
-                    t = time.perf_counter()
-                    for x in inputs:
-                        layer(x)
-                    best[name] = min(best[name], time.perf_counter() - t)
+            best = best_of_interleaved(
+                {name: _calls(layer, inputs) for name, (layer, inputs) in layers.items()}, reps
+            )
             for name in totals:
                 totals[name] += best[name] * shape.count
     log.info(
@@ -304,20 +333,13 @@ def measure_small_rows(
     with torch.inference_mode():
         for rows in candidates:
             inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
-            times = {}
-            for use in (0, rows, 0, rows):  # interleaved; best of each below
-                for m in layers:
-                    m.small_rows = use
-                t = time.perf_counter()
-                for _ in range(reps):
-                    for m in layers:
-                        m(inputs[m.in_features])
-                times[use] = min(times.get(use, float("inf")), time.perf_counter() - t)
+            sweeps = {use: _sweep(layers, inputs, use) for use in (0, rows)}
+            times = best_of_interleaved(sweeps, reps)
             log.info(
                 "small-batch int8 at %d rows: %.2f ms vs %.2f ms per sweep of %d linears",
                 rows,
-                times[rows] / reps * 1e3,
-                times[0] / reps * 1e3,
+                times[rows] * 1e3,
+                times[0] * 1e3,
                 len(layers),
             )
             if times[rows] >= margin * times[0]:
