@@ -5,9 +5,9 @@
 1. Decode attention over the paged cache: the kernel (reads blocks in place) against the
    torch reference (gathers each request's blocks, then SDPA), SmolLM2 heads (9 / 3 x 64),
    bf16, blocks scattered over a 1500-block cache.
-2. Weight-only int8 GEMV against oneDNN bf16 on prepacked weights, summed over all of the
-   embedded model's linears in turn (weights stream from memory as in a real step), at
-   1, 4, 8 and 16 rows.
+2. Weight-only int8 linears against oneDNN bf16 on prepacked weights, summed over all of the
+   embedded model's linears in turn (weights stream from memory as in a real step): the
+   "rows" GEMV at 1-16 rows and, where the CPU has AMX, the "amx" tile kernel at 1-64 rows.
 3. Fused elementwise ops against the eager formulas they replace, bf16, 32 rows.
 
 Each figure is the best of several rounds (a busy neighbour only adds time).
@@ -27,7 +27,7 @@ from daemon.engine_config import EngineConfig
 from daemon.loaded_model import LoadedModel
 from runner import attention
 from runner.cpu_ops import load_cpu_ops
-from runner.layers.linear import Linear
+from runner.layers.linear import Linear, SmallBatchInt8
 from runner.models.decoder import RMSNorm
 from runner.models.rope import RopeAt
 
@@ -119,18 +119,20 @@ def main() -> None:
             fields.append(f"attn_b{batch}_k{context}={ref / fast:.2f}")
         loaded = LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16", quantization="none"))
         layers = [m for m in loaded.model.modules() if isinstance(m, Linear)]
-        for m in layers:
-            # Both formats on every layer: int8 copies of the right shapes (random: the speed
-            # does not depend on the values).
-            m._small = (
-                torch.randint(-127, 128, (m.out_features, m.in_features), dtype=torch.int8),
-                torch.rand(m.out_features) * 0.01,
-            )
-        print("all linears of the model in turn: oneDNN bf16 vs int8 GEMV (ms per sweep)")
-        for rows in (1, 4, 8, 16):
-            ref, fast = linear_sweep(layers, rows)
-            print(f"  {rows:2d} rows: {ref:.2f} vs {fast:.2f} ({ref / fast:.2f}x)")
-            fields.append(f"gemv_r{rows}={ref / fast:.2f}")
+        sweeps = {"rows": (1, 4, 8, 16)}
+        if torch.ops.headrace.amx_usable():
+            sweeps["amx"] = (1, 4, 8, 16, 32, 64)
+        for layout, row_counts in sweeps.items():
+            for m in layers:
+                # int8 copies of the right shapes (random: the speed does not depend on the
+                # values).
+                w = torch.randn(m.out_features, m.in_features) * 0.05
+                m.set_small_batch_int8(SmallBatchInt8.from_weight(w, layout))
+            print(f"all linears of the model in turn: oneDNN bf16 vs int8 {layout} (ms per sweep)")
+            for rows in row_counts:
+                ref, fast = linear_sweep(layers, rows)
+                print(f"  {rows:2d} rows: {ref:.2f} vs {fast:.2f} ({ref / fast:.2f}x)")
+                fields.append(f"{layout}_r{rows}={ref / fast:.2f}")
         print("fused elementwise ops, bf16, 32 rows: eager vs fused (ms)")
         for name, (ref, fast) in elementwise().items():
             print(f"  {name:14s} {ref:.4f} vs {fast:.4f} ({ref / fast:.2f}x)")

@@ -17,9 +17,10 @@ machine's figures):
 - bf16 linears go through oneDNN with the weight reordered once when available, else F.linear.
 - small-batch int8 (quantised checkpoint, quantization auto, weights not int8 already, the CPU
   kernels built): every linear also keeps a weight-only int8 copy, used for calls of up to
-  `small_rows` rows; `small_rows` is the largest of 1, 2, 4, 8, 16 at which a sweep over the
-  loaded model's own linears (all of them, so the weights stream from memory as in a real
-  step) is 10% faster with the copies; 0 drops them.
+  `small_rows` rows; laid out for AMX tiles where the CPU has AMX-BF16 and the model runs in
+  bf16, as int8 rows for the GEMV elsewhere. `small_rows` is the largest of 1, 2, 4, ..., 64
+  up to which a sweep over the loaded model's own linears (all of them, so the weights stream
+  from memory as in a real step) is 10% faster with the copies at every step; 0 drops them.
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ class Platform:
     # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16, else "float".
     float_format: str = "float"
     int8_reduce_range: bool = False
-    # Whether to try weight-only int8 copies for few-row calls; `prepare` measures and sets
-    # `small_rows` (0: not worth it here, copies dropped).
-    small_batch_int8: bool = False
+    # The layout of the weight-only int8 copies to try for few-row calls (None: none);
+    # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
+    small_batch_int8: str | None = None
     small_rows: int = 0
     features: CpuFeatures | None = None
     # Why each choice was made, for the start-up log.
@@ -131,7 +132,7 @@ class Platform:
         if self.small_batch_int8:
             self.small_rows = measure_small_rows(model, self.dtype)
             self.reasons.append(
-                f"small-batch int8 weights for <= {self.small_rows} rows"
+                f"small-batch int8 weights ({self.small_batch_int8}) for <= {self.small_rows} rows"
                 if self.small_rows
                 else "small-batch int8 weights: not faster here, dropped"
             )
@@ -208,10 +209,14 @@ def select_platform(
         and fmt != "int8"
         and chosen in (torch.float32, torch.bfloat16)
     )
+    small_layout = None
     if small:
         from runner.cpu_ops import load_cpu_ops
 
-        small = load_cpu_ops() is None
+        if load_cpu_ops() is None:
+            # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
+            amx = chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable()
+            small_layout = "amx" if amx else "rows"
     return Platform(
         device,
         chosen,
@@ -219,7 +224,7 @@ def select_platform(
         int8_kernel=kernel if fmt == "int8" else None,
         float_format=float_format,
         int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
-        small_batch_int8=small,
+        small_batch_int8=small_layout,
         features=feats,
         reasons=reasons,
     )
@@ -318,7 +323,7 @@ def int8_beats_float(
 def measure_small_rows(
     model: torch.nn.Module,
     dtype: torch.dtype,
-    candidates: Sequence[int] = (1, 2, 4, 8, 16),
+    candidates: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     reps: int = 3,
     margin: float = 0.9,
 ) -> int:

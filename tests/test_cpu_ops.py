@@ -161,16 +161,70 @@ def test_int8_weight_linear_matches_the_dequantised_matmul(dtype, k_dim):
         op(x, q.float(), scale, None)
 
 
-def test_linear_uses_its_int8_copy_only_up_to_small_rows():
+def test_amx_pack_int8_lays_out_pair_interleaved_tiles():
+    # Tile (n, k): 16 rows of k pairs, each 16 channels x 2 inputs; edges zero padded.
+    q = torch.randint(-127, 128, (37, 70), dtype=torch.int8)
+    tiles = torch.ops.headrace.amx_pack_int8(q)
+    assert tiles.shape == (3, 3, 512)
+    padded = torch.zeros(48, 96, dtype=torch.int8)
+    padded[:37, :70] = q
+    want = padded.view(3, 16, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(3, 3, 512)
+    assert torch.equal(tiles, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_amx_int8_linear_matches_the_dequantised_matmul_or_says_why_not(dtype):
+    from runner.layers.linear import Int8Weight
+
+    op = torch.ops.headrace.amx_int8_linear
+    torch.manual_seed(1)
+    # Channel and input counts off the 16 x 32 tile grid, as well as the model's own.
+    for n_dim, k_dim in ((70, 40), (960, 576), (33, 1536)):
+        w = torch.randn(n_dim, k_dim) * 0.05
+        bias = torch.randn(n_dim)
+        q, scale = Int8Weight.quantize_rows(w)
+        tiles = torch.ops.headrace.amx_pack_int8(q)
+        dequant = q.float() * scale[:, None]
+        if not torch.ops.headrace.amx_usable():
+            # A build or CPU without AMX: a clear error, never a wrong answer.
+            with pytest.raises(RuntimeError, match="no usable AMX"):
+                op(torch.zeros(1, k_dim, dtype=dtype), tiles, scale, bias, n_dim)
+            continue
+        # 1..17 cover one and two row tiles with ragged edges; 40 and 70 the row chunks.
+        for rows in (*range(1, 18), 32, 40, 70):
+            x = torch.randn(rows, k_dim).to(dtype)
+            # AMX multiplies bf16: the reference sees the activations rounded the same way.
+            want = x.to(torch.bfloat16).float() @ dequant.t() + bias
+            got = op(x, tiles, scale, bias, n_dim)
+            assert got.dtype == dtype and got.shape == (rows, n_dim)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+            # Each row's answer is its own, whatever shares its batch.
+            assert torch.equal(op(x[:1], tiles, scale, bias, n_dim), got[:1])
+        no_bias = op(x, tiles, scale, None, n_dim).float()
+        torch.testing.assert_close(no_bias, want - bias, atol=tol, rtol=tol)
+        with pytest.raises(RuntimeError, match="columns, the tiles were packed for"):
+            op(torch.zeros(1, k_dim + 32, dtype=dtype), tiles, scale, bias, n_dim)
+        with pytest.raises(RuntimeError, match="n does not match"):
+            op(x, tiles, scale, bias, n_dim + 16)
+
+
+@pytest.mark.parametrize("layout", ["rows", "amx"])
+def test_linear_uses_its_int8_copy_only_up_to_small_rows(layout):
     from runner.layers.linear import Linear
 
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True)
     ref = torch.nn.functional.linear
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
-    layer.pack("float", small_batch_int8=True)
+    layer.pack("float", small_batch_int8=layout)
+    assert layer.small_batch_layout == layout
     layer.small_rows = 2
     few, many = torch.randn(2, 64), torch.randn(3, 64)
+    if layout == "amx" and not torch.ops.headrace.amx_usable():
+        with pytest.raises(RuntimeError, match="no usable AMX"):
+            layer(few)
+        return
     # Few rows: the weight-only int8 copy (close to, not equal to, the float result).
     out_few = layer(few)
     assert not torch.equal(out_few, ref(few, w, b))
@@ -186,9 +240,9 @@ def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
     from runner.platform import measure_small_rows
 
     model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
-    pack_linears(model, "float", small_batch_int8=True)
+    pack_linears(model, "float", small_batch_int8="rows")
     rows = measure_small_rows(model, torch.float32, reps=1)
-    assert rows in (0, 1, 2, 4, 8, 16)
+    assert rows in (0, 1, 2, 4, 8, 16, 32, 64)
     assert all(m.small_rows == rows for m in model)
     # A margin nothing can meet: the copies are dropped, not kept unused.
     assert measure_small_rows(model, torch.float32, reps=1, margin=0.0) == 0

@@ -186,6 +186,13 @@ def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
     assert not select_platform(
         CPU, "float16", "auto", True, int8_faster=faster(False), **kw
     ).small_batch_int8
+    # AMX tiles where the CPU has AMX and the model runs in bf16 (and this build can use it:
+    # the flags of the CPU under test are injected, the kernel's own check is not).
+    amx_here = torch.ops.headrace.amx_usable()
+    want = "amx" if features.amx_bf16 and lost.dtype == torch.bfloat16 and amx_here else "rows"
+    assert lost.small_batch_int8 == want
+    fp32 = select_platform(CPU, "float32", "auto", True, int8_faster=faster(False), **kw)
+    assert fp32.small_batch_int8 == "rows"
 
 
 def test_cuda_platform_and_bad_names():

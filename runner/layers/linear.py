@@ -11,8 +11,11 @@ int8     per-output-channel symmetric int8 weight; activations quantised per tok
 ```
 
 Beside any of them a layer may keep a weight-only int8 copy for calls with few rows
-(`small_rows`, set by the platform after measuring): a decode step of a few requests reads
-every weight once, so half the bytes is nearly half the time; activations stay float.
+(`small_rows`, set by the platform after measuring): a decode step of a few dozen requests
+reads every weight once, so half the bytes is nearly half the time; activations stay float.
+The copy is laid out for one of two C++ kernels (runner/cpu_ops): "rows" (int8 rows, an
+AVX-512/AVX2 GEMV for a handful of rows) or "amx" (16 x 32 tiles widened to bf16 for AMX's
+tile multiply, for bf16 activations and up to a few dozen rows).
 
 The model code only builds `Linear`s; `pack_linears(model, fmt)` converts them all after the
 weights are loaded, so the model definitions stay the same whatever the format.
@@ -30,6 +33,7 @@ from torch import nn
 
 FORMATS = ("float", "onednn", "int8")
 INT8_KERNELS = ("fbgemm", "int_mm")
+SMALL_BATCH_LAYOUTS = ("rows", "amx")
 
 
 def onednn_bf16_available() -> bool:
@@ -118,6 +122,34 @@ class Int8Weight:
         return acc.float().mul_(amax / 127).mul_(self.scale)
 
 
+@dataclass(slots=True)
+class SmallBatchInt8:
+    """A weight-only int8 copy of a [N, K] weight (per-channel scales, activations stay
+    float), laid out for the "rows" GEMV or the "amx" tile kernel."""
+
+    weight: torch.Tensor  # [N, K] int8 ("rows") or [N/16, K/32, 512] int8 tiles ("amx")
+    scale: torch.Tensor  # [N] fp32
+    out_features: int
+    layout: str
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, layout: str) -> SmallBatchInt8:
+        if layout not in SMALL_BATCH_LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {', '.join(SMALL_BATCH_LAYOUTS)}")
+        q, scale = Int8Weight.quantize_rows(w)
+        if layout == "amx":
+            q = torch.ops.headrace.amx_pack_int8(q)
+        return cls(q, scale, w.shape[0], layout)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
+        if self.layout == "amx":
+            return torch.ops.headrace.amx_int8_linear(
+                x, self.weight, self.scale, bias, self.out_features
+            )
+        return torch.ops.headrace.int8_weight_linear(x, self.weight, self.scale, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose weight can be converted once to a faster format (see module doc)."""
 
@@ -132,8 +164,8 @@ class Linear(nn.Linear):
         self._onednn: torch.Tensor | None = None
         self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
-        # Weight-only int8 copy (int8 rows, fp32 scales) used for calls of <= small_rows rows.
-        self._small: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Weight-only int8 copy used for calls of <= small_rows rows.
+        self._small: SmallBatchInt8 | None = None
         self.small_rows = 0
 
     def pack(
@@ -142,19 +174,20 @@ class Linear(nn.Linear):
         int8_kernel: str | None = None,
         reduce_range: bool = False,
         float_format: str = "float",
-        small_batch_int8: bool = False,
+        small_batch_int8: str | None = None,
     ) -> None:
         """Convert the weight to `fmt`; the float weight is dropped from this module.
 
         A layer built with `int8_inputs=False` takes `float_format` when asked for int8.
-        `small_batch_int8` also keeps a weight-only int8 copy (unused until `small_rows` > 0).
+        `small_batch_int8` (a layout, see `SmallBatchInt8`) also keeps a weight-only int8
+        copy, unused until `small_rows` > 0.
         """
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
         if self.format != "float":
             raise RuntimeError(f"linear already packed as {self.format}")
         if small_batch_int8:
-            self._small = Int8Weight.quantize_rows(self.weight)
+            self._small = SmallBatchInt8.from_weight(self.weight.detach(), small_batch_int8)
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":
@@ -176,15 +209,26 @@ class Linear(nn.Linear):
     def has_small_batch_int8(self) -> bool:
         return self._small is not None
 
+    @property
+    def small_batch_layout(self) -> str | None:
+        return self._small.layout if self._small is not None else None
+
+    def set_small_batch_int8(self, copy: SmallBatchInt8 | None) -> None:
+        """Attach a weight-only int8 copy (of this layer's shape), or drop it with None."""
+        if copy is not None and copy.out_features != self.out_features:
+            raise ValueError(f"copy has {copy.out_features} outputs, layer {self.out_features}")
+        self._small = copy
+        if copy is None:
+            self.small_rows = 0
+
     def drop_small_batch_int8(self) -> None:
-        self._small, self.small_rows = None, 0
+        self.set_small_batch_int8(None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if self._small is not None and x2.shape[0] <= self.small_rows:
-            q, scale = self._small
-            y = torch.ops.headrace.int8_weight_linear(x2, q, scale, self.bias)
+            y = self._small(x2, self.bias)
             return y.view(*lead, y.shape[-1])
         if self.format == "float":
             return F.linear(x, self.weight, self.bias)
@@ -210,7 +254,7 @@ def pack_linears(
     int8_kernel: str | None = None,
     reduce_range: bool = False,
     float_format: str = "float",
-    small_batch_int8: bool = False,
+    small_batch_int8: str | None = None,
 ) -> dict[str, int]:
     """Convert every `Linear` of `model` to `fmt`; returns how many took each format."""
     counts: dict[str, int] = {}
