@@ -101,11 +101,49 @@ inline void prefetch_block(const T* row, int64_t n, int64_t token_stride, int64_
       _mm_prefetch(reinterpret_cast<const char*>(row + t * token_stride + off), _MM_HINT_T0);
 }
 
+// out[h] = sum_t p[h][t] v[t] * inv_sum[h] for G heads (G and D fixed: the G x D / N
+// accumulators stay in registers) over one KV head's values; each value row is widened once.
+template <int G, int D, typename T>
+void weighted_values(const float* p, int64_t p_stride, const float* inv_sum, const T* v_cache,
+                     const int64_t* table, int64_t seq_len, int64_t kvh, int64_t kv_heads,
+                     int64_t block_size, bool prefetch, T* out) {
+  constexpr int NV = D / Vec::N;
+  const int64_t token_stride = kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  Vec acc[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = Vec::set1(0.0f);
+  for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
+    const T* v = v_cache + table[blk] * block_stride + kvh * D;
+    const int64_t n = std::min(block_size, seq_len - start);
+    if (prefetch && blk + 1 < num_blocks)  // later passes find the rows in cache
+      prefetch_block(v_cache + table[blk + 1] * block_stride + kvh * D,
+                     std::min(block_size, seq_len - start - block_size), token_stride, D);
+    for (int64_t t = 0; t < n; ++t, v += token_stride) {
+      Vec vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = Vec::load(v + i * Vec::N);
+      for (int h = 0; h < G; ++h) {
+        const Vec w = Vec::set1(p[h * p_stride + start + t]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = Vec::fmadd(w, vv[i], acc[h][i]);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) (acc[h][i] * Vec::set1(inv_sum[h])).store(out + h * D + i * Vec::N);
+}
+
+// Accumulator registers the value pass may use (AVX-512 has 32 vector registers, AVX2 16).
+constexpr int kAccRegs = Vec::N == 16 ? 16 : 8;
+static_assert(kAccRegs / 4 <= 4, "weighted_values is instantiated for up to 4 heads");
+
 template <int D, typename T>
 void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                     int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
                     int64_t block_size, float scale, T* out) {
   constexpr int NV = D / Vec::N;
+  // Query heads whose value accumulators fit in registers together.
+  constexpr int kHeads = kAccRegs / NV > 0 ? kAccRegs / NV : 1;
   const int64_t token_stride = kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
   const int64_t padded = (seq_len + Vec::N - 1) / Vec::N * Vec::N;
@@ -133,34 +171,36 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
       }
     }
   }
+  // Softmax per head (max subtracted: exp never overflows). Padding lanes hold -inf, whose
+  // exp is clamped to ~1e-38: nothing against a sum of at least 1.
+  std::vector<float> inv_sum(group);
   for (int64_t j = 0; j < group; ++j) {
-    // Softmax (max subtracted: exp never overflows). Padding lanes hold -inf, whose exp is
-    // clamped to ~1e-38: nothing against a sum of at least 1.
     float* scores = all_scores.data() + j * padded;
-    const Vec mv = Vec::set1(*std::max_element(scores, scores + seq_len));
     for (int64_t t = seq_len; t < padded; ++t) scores[t] = -INFINITY;
+    // A vector max: a scalar max_element is one dependent compare per key (a quarter of
+    // this kernel's time at 176 keys).
+    Vec mx = Vec::load(scores);
+    for (int64_t t = Vec::N; t < padded; t += Vec::N) mx = Vec::max(mx, Vec::load(scores + t));
+    const Vec mv = Vec::set1(mx.max());
     Vec sum = Vec::set1(0.0f);
     for (int64_t t = 0; t < padded; t += Vec::N) {
       const Vec e = (Vec::load(scores + t) - mv).exp();
       e.store(scores + t);
       sum = sum + e;
     }
-    const float inv_sum = 1.0f / sum.sum();
-    // Weighted values, one pass.
-    Vec acc[NV];
-    for (int i = 0; i < NV; ++i) acc[i] = Vec::set1(0.0f);
-    for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
-      const T* v = v_cache + table[blk] * block_stride + kvh * D;
-      const int64_t n = std::min(block_size, seq_len - start);
-      if (j == 0 && blk + 1 < num_blocks)  // later heads find the rows in cache
-        prefetch_block(v_cache + table[blk + 1] * block_stride + kvh * D,
-                       std::min(block_size, seq_len - start - block_size), token_stride, D);
-      for (int64_t t = 0; t < n; ++t, v += token_stride) {
-        const Vec p = Vec::set1(scores[start + t]);
-        for (int i = 0; i < NV; ++i) acc[i] = Vec::fmadd(p, Vec::load(v + i * Vec::N), acc[i]);
-      }
+    inv_sum[j] = 1.0f / sum.sum();
+  }
+  // Weighted values: each value row is widened once for up to kHeads heads at a time.
+  for (int64_t j0 = 0; j0 < group; j0 += kHeads) {
+    const float* p = all_scores.data() + j0 * padded;
+    const float* inv = inv_sum.data() + j0;
+    T* o = out + j0 * D;
+    switch (std::min<int64_t>(kHeads, group - j0)) {
+      case 1: weighted_values<1, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
+      case 2: weighted_values<2, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
+      case 3: weighted_values<3, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
+      default: weighted_values<4, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
     }
-    for (int i = 0; i < NV; ++i) (acc[i] * Vec::set1(inv_sum)).store(out + j * D + i * Vec::N);
   }
 }
 #endif
