@@ -11,6 +11,11 @@ two groups so a 512-token prompt chunk does not pad 64 decode rows to 512 querie
 decode group   (1 query each):   q [B_d, KVH, g,      D]  x  kv [B_d, KVH, K_d, D]
 prefill group  (chunks):         q [B_p, KVH, g * Qp, D]  x  kv [B_p, KVH, K_p, D]  causal
 ```
+
+A prefill group whose requests all start at position 0 (`fresh`: whole prompts, first
+chunks) needs no mask: SDPA's own `is_causal` on `q [B_p, H, Qp, D]` with `enable_gqa`. The
+masks are built on first use, so a kernel that reads the paged cache itself never pays for
+them.
 """
 
 from __future__ import annotations
@@ -35,23 +40,48 @@ class AttentionGroup:
     out_index: torch.Tensor
     # [B, max_blocks] block ids (padding repeats block 0; masked out).
     block_tables: torch.Tensor
-    # [B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere.
-    mask: torch.Tensor
     # [B] keys each request attends after this step (cached + new tokens).
     seq_lens: torch.Tensor
+    # [B] tokens already cached and [B] new tokens per request: what the mask is made of.
+    done: np.ndarray
+    new: np.ndarray
+    # Keys in the padded gather (max_blocks * block_size).
+    k_len: int
+    device: torch.device
     # True when the group is every token of the step, one query each, in flattened order.
     covers_all: bool = False
-    # The mask repeated for the g query heads of a KV head, made once per step.
-    _group_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    # True when every request starts at position 0 (whole prompts or first chunks): the
+    # causal mask is then SDPA's own top-left `is_causal`, and right padding never reaches a
+    # real row.
+    fresh: bool = False
+    # Masks, built on first use: kernels that read the paged cache never need them.
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, K] additive mask: 0 where a query may attend a key, -inf elsewhere."""
+        if 0 not in self._masks:
+            q_len = self.token_index.shape[1]
+            q_pos, k_pos = np.arange(q_len), np.arange(self.k_len)
+            valid = q_pos[None, :] < self.new[:, None]  # [B, Q]
+            # Query j of a request sits at position done + j and sees keys 0..done + j
+            # (causal); padding rows see key 0 only, so softmax stays finite (their output
+            # is dropped).
+            see = k_pos[None, None, :] <= (self.done[:, None] + q_pos[None, :])[:, :, None]
+            see = np.where(valid[:, :, None], see, k_pos[None, None, :] == 0)  # [B, Q, K]
+            # Additive float mask: SDPA's CPU kernel runs faster with it than with a bool one.
+            bias = np.where(see, np.float32(0), np.float32(-np.inf))[:, None]
+            self._masks[0] = torch.from_numpy(bias).to(self.device)
+        return self._masks[0]
 
     def group_mask(self, group: int) -> torch.Tensor:
         """[B, 1, g * Q, K], matching queries folded as (head in group, position)."""
-        if group not in self._group_masks:
+        if group not in self._masks:
             b, _, q_len, k_len = self.mask.shape
-            self._group_masks[group] = self.mask.expand(b, group, q_len, k_len).reshape(
+            self._masks[group] = self.mask.expand(b, group, q_len, k_len).reshape(
                 b, 1, group * q_len, k_len
             )
-        return self._group_masks[group]
+        return self._masks[group]
 
 
 @dataclass(slots=True)
@@ -113,15 +143,8 @@ def _group(
     max_blocks = int((-(-(done + new) // block_size)).max())
     k_len = max_blocks * block_size
     q_pos = np.arange(q_len)  # [Q]
-    k_pos = np.arange(k_len)  # [K]
     valid = q_pos[None, :] < new[:, None]  # [B, Q]
     token_index = np.where(valid, starts[:, None] + q_pos[None, :], 0)  # [B, Q]
-    # Query j of a request sits at position done + j and sees keys 0..done + j (causal);
-    # padding rows see key 0 only, so softmax stays finite (their output is dropped).
-    see = k_pos[None, None, :] <= (done[:, None] + q_pos[None, :])[:, :, None]  # [B, Q, K]
-    see = np.where(valid[:, :, None], see, k_pos[None, None, :] == 0)
-    # Additive float mask: SDPA's CPU kernel runs faster with it than with a bool mask.
-    bias = np.where(see, np.float32(0), np.float32(-np.inf))[:, None]  # [B, 1, Q, K]
     index_t = torch.from_numpy(token_index)
     valid_t = torch.from_numpy(valid.reshape(-1))
     out_index = index_t.reshape(-1)[valid_t]
@@ -130,10 +153,14 @@ def _group(
         valid=valid_t.to(device),
         out_index=out_index.to(device),
         block_tables=torch.from_numpy(np.ascontiguousarray(tables[idx, :max_blocks])).to(device),
-        mask=torch.from_numpy(bias).to(device),
         seq_lens=torch.from_numpy(done + new).to(device),
+        done=done,
+        new=new,
+        k_len=k_len,
+        device=device,
         # A decode-only step covers every token once, in order: no gather or scatter needed.
         covers_all=q_len == 1 and len(idx) == num_tokens,
+        fresh=q_len > 1 and not done.any(),
     )
 
 
@@ -183,12 +210,23 @@ def paged_attention(
         kv = kv_cache.index_select(1, g.block_tables.reshape(-1))
         kv = kv.view(2, b, -1, kv_heads, head_dim).transpose(2, 3)
         qg = q if g.covers_all else q[g.token_index]
-        qg = qg.view(b, q_len, kv_heads, group, head_dim)
-        qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, head_dim)
-        o = F.scaled_dot_product_attention(
-            qg, kv[0], kv[1], attn_mask=g.group_mask(group), scale=scale
-        )
-        o = o.view(b, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        if g.fresh:
+            # Prompts from position 0: SDPA's own causal mask skips the upper half of the
+            # scores and reads no mask (a 2000-token prompt: 10 ms a layer here, against 25
+            # masked); the KV heads are shared through enable_gqa.
+            qg = qg.view(b, q_len, heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qg, kv[0, :, :, :q_len], kv[1, :, :, :q_len],
+                is_causal=True, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+            o = o.transpose(1, 2)  # [B, Q, H, D]
+        else:
+            qg = qg.view(b, q_len, kv_heads, group, head_dim)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, head_dim)
+            o = F.scaled_dot_product_attention(
+                qg, kv[0], kv[1], attn_mask=g.group_mask(group), scale=scale
+            )
+            o = o.view(b, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
         if g.covers_all:
             return o.reshape(num_tokens, heads, head_dim)
         out[g.out_index] = o.reshape(b * q_len, heads, head_dim)[g.valid]

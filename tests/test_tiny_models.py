@@ -97,3 +97,26 @@ def test_bfloat16_path_runs_close_to_float32(tmp_path):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     first_tokens = [(a[0], b[0]) for a, b in zip(outs["float32"], outs["bfloat16"])]
     assert sum(a == b for a, b in first_tokens) >= 3  # bf16 rounding may flip a near-tie
+
+
+def test_fresh_prompts_take_sdpa_is_causal_and_match_the_masked_path():
+    from runner.attention import paged_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 6, 2, 16, 4
+    kv = torch.randn(2, 40, bs, kv_heads, dim)
+    # Three prompts of uneven lengths from position 0, and one decode row beside them.
+    done, new = [0, 0, 0, 9], [5, 17, 11, 1]
+    tables = [[0, 1], [2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    meta = build_metadata(done, new, tables, bs, torch.device("cpu"))
+    decode, prefill = meta.groups
+    assert prefill.fresh and not decode.fresh
+    q = torch.randn(sum(new), heads, dim)
+    causal = paged_attention(q, kv, meta, dim**-0.5)
+    assert not prefill._masks  # the fresh group never built a mask
+    prefill.fresh = False  # the general path: explicit additive mask, folded GQA
+    masked = paged_attention(q, kv, meta, dim**-0.5)
+    torch.testing.assert_close(causal, masked, atol=1e-5, rtol=1e-5)
+    # A chunk that continues a cached prefix is not fresh: it keeps the explicit mask.
+    later = build_metadata([0, 4], [5, 6], tables[:2], bs, torch.device("cpu"))
+    assert not later.groups[0].fresh
