@@ -101,6 +101,23 @@ inline void prefetch_block(const T* row, int64_t n, int64_t token_stride, int64_
       _mm_prefetch(reinterpret_cast<const char*>(row + t * token_stride + off), _MM_HINT_T0);
 }
 
+// fn(rows, start, n) for each block of one KV head's keys or values in order: `rows` is the
+// block's first token for this head (tokens kv_heads * D apart), `start` its first position,
+// `n` its tokens; the next block's rows are prefetched meanwhile when `prefetch`.
+template <int D, typename T, typename Fn>
+inline void for_each_block(const T* cache, const int64_t* table, int64_t seq_len, int64_t kvh,
+                           int64_t kv_heads, int64_t block_size, bool prefetch, Fn&& fn) {
+  const int64_t token_stride = kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
+    if (prefetch && blk + 1 < num_blocks)
+      prefetch_block(cache + table[blk + 1] * block_stride + kvh * D,
+                     std::min(block_size, seq_len - start - block_size), token_stride, D);
+    fn(cache + table[blk] * block_stride + kvh * D, start, std::min(block_size, seq_len - start));
+  }
+}
+
 // out[h] = sum_t p[h][t] v[t] * inv_sum[h] for G heads (G and D fixed: the G x D / N
 // accumulators stay in registers) over one KV head's values; each value row is widened once.
 template <int G, int D, typename T>
@@ -109,28 +126,25 @@ void weighted_values(const float* p, int64_t p_stride, const float* inv_sum, con
                      int64_t block_size, bool prefetch, T* out) {
   constexpr int NV = D / Vec::N;
   const int64_t token_stride = kv_heads * D;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   Vec acc[G][NV];
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < NV; ++i) acc[h][i] = Vec::set1(0.0f);
-  for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
-    const T* v = v_cache + table[blk] * block_stride + kvh * D;
-    const int64_t n = std::min(block_size, seq_len - start);
-    if (prefetch && blk + 1 < num_blocks)  // later passes find the rows in cache
-      prefetch_block(v_cache + table[blk + 1] * block_stride + kvh * D,
-                     std::min(block_size, seq_len - start - block_size), token_stride, D);
-    for (int64_t t = 0; t < n; ++t, v += token_stride) {
-      Vec vv[NV];
-      for (int i = 0; i < NV; ++i) vv[i] = Vec::load(v + i * Vec::N);
-      for (int h = 0; h < G; ++h) {
-        const Vec w = Vec::set1(p[h * p_stride + start + t]);
-        for (int i = 0; i < NV; ++i) acc[h][i] = Vec::fmadd(w, vv[i], acc[h][i]);
-      }
-    }
+  // Later passes over the same values find them in cache: only the first prefetches.
+  for_each_block<D>(v_cache, table, seq_len, kvh, kv_heads, block_size, prefetch,
+                    [&](const T* v, int64_t start, int64_t n) {
+                      for (int64_t t = 0; t < n; ++t, v += token_stride) {
+                        Vec vv[NV];
+                        for (int i = 0; i < NV; ++i) vv[i] = Vec::load(v + i * Vec::N);
+                        for (int h = 0; h < G; ++h) {
+                          const Vec w = Vec::set1(p[h * p_stride + start + t]);
+                          for (int i = 0; i < NV; ++i) acc[h][i] = Vec::fmadd(w, vv[i], acc[h][i]);
+                        }
+                      }
+                    });
+  for (int h = 0; h < G; ++h) {
+    const Vec inv = Vec::set1(inv_sum[h]);
+    for (int i = 0; i < NV; ++i) (acc[h][i] * inv).store(out + h * D + i * Vec::N);
   }
-  for (int h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i) (acc[h][i] * Vec::set1(inv_sum[h])).store(out + h * D + i * Vec::N);
 }
 
 // Accumulator registers the value pass may use (AVX-512 has 32 vector registers, AVX2 16).
@@ -145,32 +159,27 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
   // Query heads whose value accumulators fit in registers together.
   constexpr int kHeads = kAccRegs / NV > 0 ? kAccRegs / NV : 1;
   const int64_t token_stride = kv_heads * D;
-  const int64_t block_stride = block_size * token_stride;
   const int64_t padded = (seq_len + Vec::N - 1) / Vec::N * Vec::N;
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   std::vector<float> all_scores(group * padded), q_scaled(group * D);
   float* qs = q_scaled.data();
   for (int64_t j = 0; j < group; ++j)
     for (int i = 0; i < NV; ++i)
       (Vec::load(q + j * D + i * Vec::N) * Vec::set1(scale)).store(qs + j * D + i * Vec::N);
   // Scores of all g heads, one pass over the keys.
-  for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
-    const T* k = k_cache + table[blk] * block_stride + kvh * D;
-    const int64_t n = std::min(block_size, seq_len - start);
-    if (blk + 1 < num_blocks)
-      prefetch_block(k_cache + table[blk + 1] * block_stride + kvh * D,
-                     std::min(block_size, seq_len - start - block_size), token_stride, D);
-    for (int64_t t = 0; t < n; ++t, k += token_stride) {
-      Vec kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = Vec::load(k + i * Vec::N);
-      for (int64_t j = 0; j < group; ++j) {
-        const float* qj = qs + j * D;
-        Vec acc = Vec::load(qj) * kv[0];
-        for (int i = 1; i < NV; ++i) acc = Vec::fmadd(Vec::load(qj + i * Vec::N), kv[i], acc);
-        all_scores[j * padded + start + t] = acc.sum();
-      }
-    }
-  }
+  for_each_block<D>(k_cache, table, seq_len, kvh, kv_heads, block_size, true,
+                    [&](const T* k, int64_t start, int64_t n) {
+                      for (int64_t t = 0; t < n; ++t, k += token_stride) {
+                        Vec kv[NV];
+                        for (int i = 0; i < NV; ++i) kv[i] = Vec::load(k + i * Vec::N);
+                        for (int64_t j = 0; j < group; ++j) {
+                          const float* qj = qs + j * D;
+                          Vec acc = Vec::load(qj) * kv[0];
+                          for (int i = 1; i < NV; ++i)
+                            acc = Vec::fmadd(Vec::load(qj + i * Vec::N), kv[i], acc);
+                          all_scores[j * padded + start + t] = acc.sum();
+                        }
+                      }
+                    });
   // Softmax per head (max subtracted: exp never overflows). Padding lanes hold -inf, whose
   // exp is clamped to ~1e-38: nothing against a sum of at least 1.
   std::vector<float> inv_sum(group);
@@ -195,12 +204,13 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
     const float* p = all_scores.data() + j0 * padded;
     const float* inv = inv_sum.data() + j0;
     T* o = out + j0 * D;
-    switch (std::min<int64_t>(kHeads, group - j0)) {
-      case 1: weighted_values<1, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
-      case 2: weighted_values<2, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
-      case 3: weighted_values<3, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
-      default: weighted_values<4, D>(p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size, j0 == 0, o); break;
-    }
+    // G is a template argument so the accumulators stay in registers: one instance per count.
+    using Pass = void (*)(const float*, int64_t, const float*, const T*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, bool, T*);
+    constexpr Pass passes[] = {weighted_values<1, D, T>, weighted_values<2, D, T>,
+                               weighted_values<3, D, T>, weighted_values<4, D, T>};
+    passes[std::min<int64_t>(kHeads, group - j0) - 1](p, padded, inv, v_cache, table, seq_len,
+                                                       kvh, kv_heads, block_size, j0 == 0, o);
   }
 }
 #endif
