@@ -2,12 +2,13 @@
 
     python benchmarks/prompt_prefill.py [--shapes 16x128 4x512 1x2000] [--reps 3]
 
-Each shape is B prompts of L tokens from position 0, added at once to a fresh Engine on the
-embedded model with `max_tokens=1` (prefix caching off), stepped until all have their token (one or two steps
-under the default 2048-token budget). The same run times it twice, interleaved: as the
-engine runs it (a prompt group that starts at position 0 takes SDPA's own `is_causal`, no
-mask) and with that group forced onto the general path (an explicit additive mask over the
-folded KV-head groups), which is what every prompt took before. Median of `--reps`.
+Each shape is B prompts of L tokens from position 0, added at once to an Engine on the
+embedded model with `max_tokens=1` (prefix caching off), stepped until all have their token
+(one or two steps under the default 2048-token budget). The same run times it twice,
+interleaved: as the engine runs it (a prompt group that starts at position 0 takes SDPA's
+own `is_causal`, no mask) and with that group forced onto the general path (an explicit
+additive mask over the folded KV-head groups), which is what every prompt took before.
+Median of `--reps`.
 """
 
 from __future__ import annotations

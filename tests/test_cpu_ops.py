@@ -211,7 +211,7 @@ def test_amx_int8_linear_matches_the_dequantised_matmul_or_says_why_not(dtype):
 
 @pytest.mark.parametrize("layout", ["rows", "amx"])
 def test_linear_uses_its_int8_copy_only_up_to_small_rows(layout):
-    from runner.layers.linear import Linear
+    from runner.layers.linear import Linear, SmallBatchInt8
 
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True)
@@ -219,6 +219,8 @@ def test_linear_uses_its_int8_copy_only_up_to_small_rows(layout):
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack("float", small_batch_int8=layout)
     assert layer.small_batch_layout == layout
+    with pytest.raises(ValueError, match="copy has 3 outputs, layer 48"):
+        layer.set_small_batch_int8(SmallBatchInt8.from_weight(torch.randn(3, 64), layout))
     layer.small_rows = 2
     few, many = torch.randn(2, 64), torch.randn(3, 64)
     if layout == "amx" and not torch.ops.headrace.amx_usable():
