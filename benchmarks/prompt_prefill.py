@@ -1,14 +1,20 @@
-"""Time to first token of prompts, prefill only: SDPA's `is_causal` path against the explicit mask.
+"""Time to first token of prompts, prefill only, through each prompt-attention path.
 
     python benchmarks/prompt_prefill.py [--shapes 16x128 4x512 1x2000] [--reps 3]
 
 Each shape is B prompts of L tokens from position 0, added at once to an Engine on the
 embedded model with `max_tokens=1` (prefix caching off), stepped until all have their token
-(one or two steps under the default 2048-token budget). The same run times it twice,
-interleaved: as the engine runs it (a prompt group that starts at position 0 takes SDPA's
-own `is_causal`, no mask) and with that group forced onto the general path (an explicit
-additive mask over the folded KV-head groups), which is what every prompt took before.
-Median of `--reps`.
+(one or two steps under the default 2048-token budget). The same run times three paths for
+prompt chunks, interleaved, on one Engine with the default C++ attention backend (decode
+rows and the fused ops stay the same):
+
+    amx      the default where the CPU has AMX: runner/cpu_ops/amx_attention.cpp
+    causal   the torch reference: SDPA with `is_causal` for prompts from position 0 (the
+             default without AMX)
+    masked   the torch reference forced onto its general path: an explicit additive mask
+             over the folded KV-head groups (what every prompt took before `is_causal`)
+
+Median of `--reps`; the RESULT line gives the reference paths' times over the AMX kernel's.
 """
 
 from __future__ import annotations
@@ -54,25 +60,34 @@ def main() -> None:
     loaded = LoadedModel.load(EngineConfig(device="cpu"))
     assert loaded.platform is not None
     print(loaded.platform.describe())
+
     # No prefix cache: every round must compute its prompts, not find the last round's.
-    config = EngineConfig(kv_cache_memory=1024 << 20, max_num_seqs=64, enable_prefix_caching=False)
+    config = EngineConfig(kv_cache_memory=512 << 20, max_num_seqs=64, enable_prefix_caching=False)
     engine = Engine(config, loaded)
+    backend = engine.runner.attn_backend
+    if not getattr(backend, "amx", False):
+        raise SystemExit(f"no AMX prompt kernel here (backend {backend.name}): nothing to compare")
+    # (prompt kernel on, how the reference builds groups)
+    variants: dict[str, tuple[bool, Callable]] = {
+        "amx": (True, _group), "causal": (False, _group), "masked": (False, masked_group)
+    }  # fmt: skip
     fields = []
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.split("x"))
-        variants: dict[str, Callable] = {"causal": _group, "masked": masked_group}
         times: dict[str, list[float]] = {name: [] for name in variants}
         for rep in range(args.reps + 1):  # the first round warms up
-            for name, group in variants.items():
-                attention._group = group
+            for name, (amx, group) in variants.items():
+                backend.amx, attention._group = amx, group
                 ms = prefill_ms(engine, batch, length, seed=rep * 1000 + len(name))
                 if rep:
                     times[name].append(ms)
+        backend.amx = True
         attention._group = _group
-        causal, masked = (statistics.median(times[n]) for n in ("causal", "masked"))
-        print(f"{batch} x {length} tokens: first tokens after {causal:.0f} ms (is_causal) "
-              f"vs {masked:.0f} ms (explicit mask): {masked / causal:.2f}x")  # fmt: skip
-        fields.append(f"ratio_{shape}={masked / causal:.2f}")
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print(f"{batch} x {length} tokens, first tokens after: " + ", ".join(
+            f"{name} {ms:.0f} ms" for name, ms in med.items()))  # fmt: skip
+        fields += [f"{name}_over_amx_{shape}={med[name] / med['amx']:.2f}"
+                   for name in ("causal", "masked")]  # fmt: skip
     print(f"RESULT {' '.join(fields)}")
 
 

@@ -45,6 +45,9 @@ class AttentionGroup:
     # [B] tokens already cached and [B] new tokens per request: what the mask is made of.
     done: np.ndarray
     new: np.ndarray
+    # [B] each request's first row in the flattened tokens, and [B] its new tokens (int64).
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
     # Keys in the padded gather (max_blocks * block_size).
     k_len: int
     device: torch.device
@@ -156,6 +159,8 @@ def _group(
         seq_lens=torch.from_numpy(done + new).to(device),
         done=done,
         new=new,
+        query_starts=torch.from_numpy(starts).to(device),
+        query_lens=torch.from_numpy(new).to(device),
         k_len=k_len,
         device=device,
         # A decode-only step covers every token once, in order: no gather or scatter needed.
@@ -176,6 +181,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+# (out [T, H, D], q [T, H, D], kv_cache, block_tables, seq_lens, query_starts, query_lens,
+#  scale): writes the group's rows of out.
+PrefillKernel = Callable[..., None]
 
 
 def paged_attention(
@@ -184,11 +192,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """Torch reference: [T, H, D] queries against the paged cache -> [T, H, D].
 
     `decode_kernel`, when given, takes the group of one-query requests instead (it reads the
-    paged cache in place); chunks still go through the reference.
+    paged cache in place); `prefill_kernel` likewise the group of chunks (it writes their
+    rows of the output itself).
 
     NOTE: GQA without repeating K/V: the g query heads that share a KV head are folded into
     the query-length axis, so each KV head is read once ([B, KVH, g * Q, D] queries).
@@ -205,6 +215,11 @@ def paged_attention(
             if g.covers_all:
                 return o
             out[g.out_index] = o
+            continue
+        if prefill_kernel is not None:
+            prefill_kernel(
+                out, q, kv_cache, g.block_tables, g.seq_lens, g.query_starts, g.query_lens, scale
+            )
             continue
         # One gather for K and V: [2, B * blocks, block, KVH, D] -> [2, B, KVH, K, D]
         kv = kv_cache.index_select(1, g.block_tables.reshape(-1))

@@ -72,10 +72,14 @@ class TorchAttentionBackend:
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """The reference, with one-query (decode) rows on the in-place paged C++ kernel and
-    K/V written by one C++ op."""
+    """The reference, with one-query (decode) rows on the in-place paged C++ kernel, prompt
+    chunks on the AMX kernel where the CPU has AMX (bf16, head dims of 32k), and K/V written
+    by one C++ op."""
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        self.amx = bool(torch.ops.headrace.amx_usable())
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
         torch.ops.headrace.write_kv_(kv_cache, k, v, meta.slot_mapping)
@@ -83,8 +87,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
     ) -> torch.Tensor:
-        kernel = torch.ops.headrace.paged_decode_attention
-        return attention.paged_attention(q, kv_cache, meta, scale, kernel)
+        prefill, dim = None, q.shape[-1]
+        if self.amx and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256:
+            prefill = torch.ops.headrace.paged_prefill_attention_
+        decode = torch.ops.headrace.paged_decode_attention
+        return attention.paged_attention(q, kv_cache, meta, scale, decode, prefill)
 
 
 def select_attention_backend(

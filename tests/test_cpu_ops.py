@@ -74,10 +74,41 @@ def test_decode_rows_match_the_reference(heads, kv_heads, head_dim, block_size, 
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mixed_step_keeps_chunks_on_the_reference(dtype):
+def test_prompt_chunks_match_the_reference(heads, kv_heads, head_dim, block_size, dtype):
+    # Whole prompts and chunks after a cached prefix, of lengths around the kernel's 16-row
+    # and 32-key tiles, beside a decode row. bf16 with head dims of 32k goes through the AMX
+    # kernel where the CPU has AMX (fp32 and other widths: the reference).
+    reqs = [(0, 40), (0, 100), (50, 37), (3, 1), (0, 17), (129, 64)]
+    want, got = _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert CpuKernelAttentionBackend().amx == torch.ops.headrace.amx_usable()
+
+
+def test_prefill_kernel_refuses_what_it_cannot_do():
+    op = torch.ops.headrace.paged_prefill_attention_
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
+    one = torch.ones(1, dtype=torch.long)
+    args = (kv, one.view(1, 1) * 0, one * 4, one * 0, one * 4, 0.125)
+    if not torch.ops.headrace.amx_usable():
+        with pytest.raises(RuntimeError, match="no usable AMX"):
+            op(torch.empty_like(q), q, *args)
+        return
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        op(torch.empty_like(q.float()), q.float(), *args)
+    with pytest.raises(RuntimeError, match="query rows out of range"):
+        op(torch.empty_like(q), q, kv, one.view(1, 1) * 0, one * 4, one * 2, one * 4, 0.125)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        op(torch.empty_like(q), q, kv, one.view(1, 1) * 9, one * 4, one * 0, one * 4, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mixed_step_matches_the_reference(dtype):
     # Prompt chunks (after a cached prefix too) beside decode rows: the decode rows go
-    # through the kernel and are scattered back between the chunk rows.
+    # through the decode kernel and are scattered back between the chunk rows.
     reqs = [(0, 7), (20, 1), (33, 1), (16, 5), (0, 1), (45, 1)]
     want, got = _step(reqs, 9, 3, 64, 16, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

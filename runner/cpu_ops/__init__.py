@@ -6,6 +6,7 @@ torch.ops.headrace.write_kv_(kv_cache, k, v, slots)
 torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
 torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bias, n)
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
+torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
 ```
 
@@ -34,8 +35,14 @@ from runner.cache_dir import cache_dir
 
 log = logging.getLogger("headrace.cpu_ops")
 
-SOURCES = ("paged_attention.cpp", "int8_linear.cpp", "amx_linear.cpp", "elementwise.cpp")
-HEADERS = ("vec.h",)
+SOURCES = (
+    "paged_attention.cpp",
+    "int8_linear.cpp",
+    "amx_linear.cpp",
+    "amx_attention.cpp",
+    "elementwise.cpp",
+)
+HEADERS = ("vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # Appended to CFLAGS (and to the build key): `-mno-avx512f` builds the AVX2 paths on an
 # AVX-512 machine, which is how the tests cover both on one CPU.

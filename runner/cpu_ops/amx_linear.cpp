@@ -25,16 +25,11 @@
 
 #include "vec.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#define HEADRACE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define HEADRACE_AMX 0
-#endif
+#include "amx.h"
 
 namespace {
+
+using headrace::amx_usable;
 
 constexpr int64_t kTileN = 16;                  // output channels per weight tile
 constexpr int64_t kTileK = 32;                  // inputs per weight tile (16 bf16 pairs)
@@ -59,32 +54,6 @@ at::Tensor amx_pack_int8(const at::Tensor& q) {
 }
 
 #if HEADRACE_AMX
-
-bool amx_permitted() {
-  // Linux hands out the 8 KB tile state only to processes that ask (ARCH_REQ_XCOMP_PERM for
-  // XFEATURE_XTILEDATA); asking again is harmless, and oneDNN may already have asked.
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: fp32 accumulators (rows 0-15 / 16-31 x first / second channel tile);
-// 4-5: activation tiles (rows 0-15, 16-31); 6-7: the two weight tiles. All 16 x 64 bytes.
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // The hardware prefetcher loses track of two interleaved weight streams: fetch every line of
 // the tile this many tiles ahead in the same stream.
@@ -132,7 +101,7 @@ void run(const uint16_t* x, int64_t m_dim, int64_t m_pad, int64_t k_pad, const i
   // Work item: two channel tiles, so each activation tile loaded serves two products.
   const int64_t pairs = (n_tiles + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    headrace::load_tile_config(16, 64);
     alignas(64) uint16_t wide[2][kTileBytes];
     alignas(64) float acc[2][kTileN * kTileN];
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -185,13 +154,6 @@ void run(const uint16_t* x, int64_t m_dim, int64_t m_pad, int64_t k_pad, const i
 
 #endif  // HEADRACE_AMX
 
-bool amx_usable() {
-#if HEADRACE_AMX
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
 
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t n_dim) {
