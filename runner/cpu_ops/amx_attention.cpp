@@ -123,8 +123,10 @@ void query_tile(const uint16_t* q, int64_t q_row_stride, int64_t rows, int64_t f
     for (int64_t r = 0; r < kRows; ++r) {
       const float* sr = sbuf + r * kChunk;
       const __m512 mv = _mm512_set1_ps(r < rows ? m[r] : 0.0f);
-      const __m512 p0 = _mm512_maskz_mov_ps(lo_mask[r], headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr), mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(hi_mask[r], headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr + 16), mv)));
+      const __m512 e0 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr), mv));
+      const __m512 e1 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr + 16), mv));
+      const __m512 p0 = _mm512_maskz_mov_ps(lo_mask[r], e0);
+      const __m512 p1 = _mm512_maskz_mov_ps(hi_mask[r], e1);
       // Row sums stay 16 partial sums until the end: no horizontal add per chunk.
       _mm512_store_ps(lsum + r * 16, _mm512_fmadd_ps(_mm512_load_ps(lsum + r * 16),
                                                      _mm512_set1_ps(corr[r]),
