@@ -71,15 +71,19 @@ void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table
 void query_tile(const uint16_t* q, int64_t q_row_stride, int64_t rows, int64_t first_pos,
                 const uint16_t* keys, const uint16_t* values, int64_t dim, float scale,
                 uint16_t* out, int64_t out_row_stride) {
-  alignas(64) uint16_t qbuf[kRows * 256] = {};
+  // Sized for the widest head; only the first kRows * dim entries are used (and cleared:
+  // clearing all of them cost 24 KB of stores per tile).
+  alignas(64) uint16_t qbuf[kRows * 256];
   alignas(64) uint16_t pbuf[kRows * kChunk];
   alignas(64) float sbuf[kRows * kChunk];
   alignas(64) float pv[kRows * 32];
-  alignas(64) float acc[kRows * 256] = {};
+  alignas(64) float acc[kRows * 256];
   alignas(64) float m[kRows], corr[kRows], lsum[kRows * 16] = {};
   for (int64_t r = 0; r < kRows; ++r) m[r] = -INFINITY;
+  std::memset(acc, 0, rows * dim * sizeof(float));
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(qbuf + r * dim, q + r * q_row_stride, dim * sizeof(uint16_t));
+  std::memset(qbuf + rows * dim, 0, (kRows - rows) * dim * sizeof(uint16_t));
   const int64_t last_key = first_pos + rows - 1;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t chunk = 0; chunk * kChunk <= last_key; ++chunk) {
@@ -212,14 +216,22 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 #if HEADRACE_AMX
   const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
   const uint16_t* v_cache = k_cache + kv_cache.stride(0);
-  std::vector<uint16_t> keys(pack_offset[batch]), values(pack_offset[batch]);
+  // Uninitialised and reused across calls (one per layer and step): `pack` clears what it
+  // uses, and a fresh multi-MB vector cost a zero fill plus page faults every layer.
+  thread_local std::vector<uint16_t> keys_buf, values_buf;
+  if (keys_buf.size() < static_cast<size_t>(pack_offset[batch])) {
+    keys_buf.resize(pack_offset[batch]);
+    values_buf.resize(pack_offset[batch]);
+  }
+  uint16_t* keys = keys_buf.data();
+  uint16_t* values = values_buf.data();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
       const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
       pack(k_cache, v_cache, tables + b * max_blocks, lens[b], chunks, kvh, kv_heads, block_size,
-           dim, keys.data() + at, values.data() + at);
+           dim, keys + at, values + at);
     }
   });
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -237,7 +249,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
       const int64_t row0 = starts[b] + first;
       query_tile(qp + row0 * q_stride + head * dim, q_stride, rows,
-                 lens[b] - counts[b] + first, keys.data() + at, values.data() + at, dim,
+                 lens[b] - counts[b] + first, keys + at, values + at, dim,
                  static_cast<float>(scale), op + row0 * row_stride + head * dim, row_stride);
     }
     _tile_release();
