@@ -50,7 +50,6 @@ class AttentionGroup:
     query_lens: torch.Tensor
     # Keys in the padded gather (max_blocks * block_size).
     k_len: int
-    device: torch.device
     # True when the group is every token of the step, one query each, in flattened order.
     covers_all: bool = False
     # True when every request starts at position 0 (whole prompts or first chunks): the
@@ -74,7 +73,7 @@ class AttentionGroup:
             see = np.where(valid[:, :, None], see, k_pos[None, None, :] == 0)  # [B, Q, K]
             # Additive float mask: SDPA's CPU kernel runs faster with it than with a bool one.
             bias = np.where(see, np.float32(0), np.float32(-np.inf))[:, None]
-            self._masks[0] = torch.from_numpy(bias).to(self.device)
+            self._masks[0] = torch.from_numpy(bias).to(self.token_index.device)
         return self._masks[0]
 
     def group_mask(self, group: int) -> torch.Tensor:
@@ -162,7 +161,6 @@ def _group(
         query_starts=torch.from_numpy(starts).to(device),
         query_lens=torch.from_numpy(new).to(device),
         k_len=k_len,
-        device=device,
         # A decode-only step covers every token once, in order: no gather or scatter needed.
         covers_all=q_len == 1 and len(idx) == num_tokens,
         fresh=q_len > 1 and not done.any(),

@@ -23,9 +23,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "vec.h"
-
 #include "amx.h"
+#include "vec.h"
 
 namespace {
 
@@ -153,7 +152,6 @@ void run(const uint16_t* x, int64_t m_dim, int64_t m_pad, int64_t k_pad, const i
 }
 
 #endif  // HEADRACE_AMX
-
 
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t n_dim) {
