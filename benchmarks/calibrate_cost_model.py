@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
 from scheduling import SamplingParams
 from scheduling.cost_model import OnlineCostModel
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from machine import cpu_description
 
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner import attention
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.linear import Linear, SmallBatchInt8

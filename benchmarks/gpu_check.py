@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from scheduling import SamplingParams
@@ -246,11 +246,11 @@ def decode_tok_s(eng: Engine, prompts: list[list[int]], n_tokens: int) -> float:
         eng.add_request(p, params)
     produced = 0
     while produced < len(prompts):  # prefill steps (their first tokens)
-        produced += sum(len(d.token_ids) for d in eng.step())
+        produced += sum(len(d.new_token_ids) for d in eng.step())
     sync(eng.device)
     t, decoded = time.perf_counter(), 0
     while eng.has_unfinished_requests():
-        decoded += sum(len(d.token_ids) for d in eng.step())
+        decoded += sum(len(d.new_token_ids) for d in eng.step())
     sync(eng.device)
     eng.release_finished()
     return decoded / (time.perf_counter() - t)
@@ -318,7 +318,7 @@ def overlap_gain(name: str, loaded: LoadedModel, batch: int, prompt_len: int, n_
     """End-to-end tokens/s through AsyncEngine with the batch queue (overlap) on and off."""
     import asyncio
 
-    from daemon.async_engine import AsyncEngine
+    from daemon.engine.async_engine import AsyncEngine
 
     params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
     prompts = random_prompts(batch, prompt_len, loaded.config.vocab_size, seed=2)
@@ -327,7 +327,7 @@ def overlap_gain(name: str, loaded: LoadedModel, batch: int, prompt_len: int, n_
         eng = AsyncEngine(engine(loaded, max_num_seqs=batch), overlap=overlap)
 
         async def one(p: list[int]) -> int:
-            return sum([len(d.token_ids) async for d in eng.generate(p, params)])
+            return sum([len(d.new_token_ids) async for d in eng.generate(p, params)])
 
         t = time.perf_counter()
         total = sum(await asyncio.gather(*(one(p) for p in prompts)))

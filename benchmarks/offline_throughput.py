@@ -20,9 +20,9 @@ import time
 import torch
 from machine import cpu_description
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner.model_config import ModelConfig
 from runner.model_source import resolve_model
 from scheduling import SamplingParams

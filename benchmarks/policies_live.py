@@ -32,7 +32,7 @@ from daemon.bench.cli import (  # noqa: E402
     make_endpoint,
 )
 from daemon.bench.sweep import LaunchedPeer, machine_description  # noqa: E402
-from daemon.cli import build_parser  # noqa: E402
+from daemon.service.cli import build_parser  # noqa: E402
 
 
 def bench_args(extra: list[str]) -> argparse.Namespace:

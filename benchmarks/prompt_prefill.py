@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 from machine import cpu_description
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner import attention
 from scheduling import SamplingParams
 

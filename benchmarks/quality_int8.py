@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from machine import cpu_description
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner.attention import build_metadata
 from runner.model_runner import ModelRunner
 from scheduling import SamplingParams

@@ -122,7 +122,7 @@ def spawn(extra: list[str], port: int) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "daemon.cli",
+            "daemon.service.cli",
             "serve",
             "--port",
             str(port),

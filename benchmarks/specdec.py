@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from scheduling import SamplingParams
 
 PARAGRAPHS = [
@@ -175,10 +175,10 @@ def run_wave(engine: Engine, prompts: list[list[int]], max_tokens: int, into: Ru
         into.steps += 1
         now = time.perf_counter()
         for d in deltas:
-            if d.token_ids:
+            if d.new_token_ids:
                 first.setdefault(d.request_id, now)
                 last[d.request_id] = now
-                tokens[d.request_id] += d.token_ids
+                tokens[d.request_id] += d.new_token_ids
     engine.release_finished()
     into.decode_tokens += sum(len(t) - 1 for t in tokens.values())
     into.per_request += [

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 import torch
 from machine import cpu_description
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_runner import ModelRunner

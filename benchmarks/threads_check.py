@@ -27,9 +27,9 @@ from machine import cpu_description
 
 CHILD = r"""
 import statistics, sys, time, torch
-from daemon.engine import Engine
-from daemon.loaded_model import LoadedModel
-from daemon.engine_config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
 from scheduling import SamplingParams
 threads, batch, dtype, quant = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 governed = sys.argv[5] == "1"

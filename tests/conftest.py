@@ -140,8 +140,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 on the exact fp32 path, loaded once (engines share its weights)."""
-    from daemon.engine_config import EngineConfig
-    from daemon.loaded_model import LoadedModel
+    from daemon.engine.config import EngineConfig
+    from daemon.engine.loaded_model import LoadedModel
 
     return LoadedModel.load(EngineConfig(device="cpu", dtype="float32", quantization="none"))
 

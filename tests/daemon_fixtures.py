@@ -67,7 +67,7 @@ class Daemon:
         cmd = [
             sys.executable,
             "-m",
-            "daemon.cli",
+            "daemon.service.cli",
             "serve",
             "--port",
             str(self.port),

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner.model_source import resolve_model
 
 

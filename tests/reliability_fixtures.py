@@ -17,13 +17,13 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from model_fixtures import make_tiny_hf_model
 
-from daemon.api import APIServer
-from daemon.api_options import APIOptions
-from daemon.async_engine import AsyncEngine
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
-from daemon.metrics import Metrics
+from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
+from daemon.openai.api import APIServer
+from daemon.openai.metrics import Metrics
+from daemon.openai.options import APIOptions
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 
@@ -91,7 +91,7 @@ def assert_pool_empty(engine: AsyncEngine) -> None:
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} leaked"
     assert not engine.engine.scheduler.requests
-    assert not engine.engine._detokenizers
+    assert not engine.engine.outputs
 
 
 def rss_mb() -> float:

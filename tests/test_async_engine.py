@@ -11,9 +11,9 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.async_engine import AsyncEngine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams
 
@@ -33,7 +33,7 @@ def prompts(n: int) -> list[list[int]]:
 async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> list[int]:
     out: list[int] = []
     async for delta in engine.generate(prompt, params):
-        out += delta.token_ids
+        out += delta.new_token_ids
     return out
 
 

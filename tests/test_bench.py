@@ -328,7 +328,7 @@ def daemon(tmp_path_factory):
 
 
 def test_bench_serve_against_the_daemon_writes_result_and_png(daemon, tmp_path, capsys):
-    from daemon.cli import main
+    from daemon.service.cli import main
 
     result_file, png = tmp_path / "result.json", tmp_path / "run.png"
     rc = main(
@@ -360,7 +360,7 @@ def test_bench_serve_against_the_daemon_writes_result_and_png(daemon, tmp_path, 
 
 
 def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
-    from daemon.cli import main
+    from daemon.service.cli import main
 
     png = tmp_path / "sweep.png"
     rc = main(
@@ -380,7 +380,7 @@ def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
 
 
 def test_bench_serve_chat_over_the_unix_socket(daemon, tmp_path, capsys):
-    from daemon.cli import main
+    from daemon.service.cli import main
 
     result_file = tmp_path / "chat.json"
     argv = ["bench", "serve", "--uds", daemon.uds, "--api", "chat", "--workload", "prefix"]

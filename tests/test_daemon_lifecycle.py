@@ -59,7 +59,7 @@ def test_socket_activation_serves_on_the_inherited_socket(tmp_path):
             f"PYTHONPATH={os.getcwd()}",
             sys.executable,
             "-m",
-            "daemon.cli",
+            "daemon.service.cli",
             "serve",
             "--threads",
             "1",

@@ -1,6 +1,6 @@
 import pytest
 
-from daemon.detokenizer import IncrementalDetokenizer
+from daemon.engine.detokenizer import IncrementalDetokenizer
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 from scheduling import SamplingParams

@@ -14,9 +14,9 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.async_engine import AsyncEngine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams
@@ -71,7 +71,7 @@ async def test_device_ids_give_the_step_loop_tokens(tiny_llama, overlap: bool) -
     async_engine = AsyncEngine(engine, overlap=overlap)
 
     async def one(p: list[int], sp: SamplingParams) -> list[int]:
-        return [t async for d in async_engine.generate(p, sp) for t in d.token_ids]
+        return [t async for d in async_engine.generate(p, sp) for t in d.new_token_ids]
 
     try:
         got = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))

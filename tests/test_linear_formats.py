@@ -213,7 +213,7 @@ def test_cpu_features_from_flags():
 
 
 def test_serve_options_reach_the_engine_config():
-    from daemon.serve_config import parse_serve_args
+    from daemon.service.serve_config import parse_serve_args
 
     cfg = parse_serve_args(["--dtype", "bfloat16", "--quantization", "int8"], environ={})
     assert (cfg.engine.dtype, cfg.engine.quantization) == ("bfloat16", "int8")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from model_fixtures import engine_for
 
-from daemon.loaded_model import LoadedModel
+from daemon.engine.loaded_model import LoadedModel
 from runner.layers.linear import Linear, onednn_bf16_available, pack_linears
 from runner.platform import select_platform
 from scheduling import SamplingParams

@@ -2,8 +2,8 @@ import argparse
 
 import pytest
 
-from daemon.cli import build_parser
-from daemon.serve_config import build_serve_config, parse_serve_args
+from daemon.service.cli import build_parser
+from daemon.service.serve_config import build_serve_config, parse_serve_args
 
 
 def test_precedence_flags_over_env_over_toml(tmp_path):
@@ -34,8 +34,8 @@ def test_errors_name_the_source(tmp_path):
 def test_serve_help_documents_every_option(capsys):
     from dataclasses import fields
 
-    from daemon.engine_config import EngineConfig
-    from daemon.serve_config import ServerConfig
+    from daemon.engine.config import EngineConfig
+    from daemon.service.serve_config import ServerConfig
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])

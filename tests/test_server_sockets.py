@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from daemon.server import bind_unix_socket
-from daemon.systemd import Notifier, inherited_sockets
+from daemon.service.server import bind_unix_socket
+from daemon.service.systemd import Notifier, inherited_sockets
 
 
 def test_unix_socket_mode_and_stale_file_replaced(tmp_path):

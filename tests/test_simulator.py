@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
+from daemon.service.cli import main
 from plugins import load_policy
 from scheduling import StepShape
 from scheduling.cost_model import OnlineCostModel, StepCostModel

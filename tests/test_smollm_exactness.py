@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_fixtures import engine_for, hf_greedy, load_hf_smollm
 
-from daemon.loaded_model import LoadedModel
+from daemon.engine.loaded_model import LoadedModel
 from runner.attention import build_metadata
 from runner.model_runner import kv_bytes_per_block
 from scheduling import SamplingParams
@@ -142,7 +142,7 @@ def test_stop_string_and_eos_end_requests(smollm):
 
 
 def test_cli_generate_offline(capsys):
-    from daemon.cli import main
+    from daemon.service.cli import main
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
     assert "Paris" in capsys.readouterr().out

@@ -13,9 +13,9 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from runner import rejection_sampler
 from runner.model_source import resolve_model
 from runner.spec_decode import PROPOSER_API_VERSION, DraftRequest
@@ -173,7 +173,7 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(tiny):
         engine.add_request(p, others)
     tokens: list[int] = []
     while engine.has_unfinished_requests():
-        tokens += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
+        tokens += [t for d in engine.step() if d.request_id == rid for t in d.new_token_ids]
     assert tokens == alone
     assert engine.scheduler.spec_stats.num_accepted > 0
 
@@ -185,14 +185,14 @@ def test_logprobs_one_entry_per_emitted_token(tiny):
     rids = [engine.add_request(p, params) for p in mixed_prompts()[:3]]
     want = {}
     for i, p in enumerate(mixed_prompts()[:3]):
-        want[rids[i]] = [lp for d in _run(plain, [p], params) for lp in d.logprobs]
+        want[rids[i]] = [lp for d in _run(plain, [p], params) for lp in d.new_logprobs]
     got: dict[str, list] = {rid: [] for rid in rids}
     multi = False
     while engine.has_unfinished_requests():
         for d in engine.step():
-            assert len(d.logprobs or []) == len(d.token_ids)
-            multi |= len(d.token_ids) > 1
-            got[d.request_id] += d.logprobs or []
+            assert len(d.new_logprobs or []) == len(d.new_token_ids)
+            multi |= len(d.new_token_ids) > 1
+            got[d.request_id] += d.new_logprobs or []
     assert multi  # some steps emitted several tokens
     for rid in rids:
         assert len(got[rid]) == len(want[rid]) == 10
@@ -297,7 +297,7 @@ def sampled_excess(tiny, engine: Engine) -> float:
     seqs: dict[str, list[int]] = {rid: [] for rid in rids}
     while engine.has_unfinished_requests():
         for d in engine.step():
-            seqs[d.request_id] += d.token_ids
+            seqs[d.request_id] += d.new_token_ids
     counts = Counter(tuple(s) for s in seqs.values())
     return chi_square_excess(counts, exact_distribution(hf, prompt, temp), SAMPLES)
 
@@ -325,7 +325,7 @@ def test_the_end_to_end_check_catches_a_wrong_residual(tiny, monkeypatch):
 
 
 def test_request_body_extension():
-    from daemon.openai_protocol import APIError, parse_request
+    from daemon.openai.protocol import APIError, parse_request
 
     def parse(spec: object) -> int | None:
         return parse_request(
@@ -349,8 +349,8 @@ def test_request_body_extension():
 
 
 def test_metrics_and_log_fields_report_drafts(tiny):
-    from daemon.metrics import Metrics
-    from daemon.spec_metrics import spec_log_fields
+    from daemon.openai.metrics import Metrics
+    from daemon.openai.spec_metrics import spec_log_fields
 
     engine = spec_engine(tiny, "oracle")
     engine.add_request(mixed_prompts()[0], GREEDY)
@@ -361,7 +361,7 @@ def test_metrics_and_log_fields_report_drafts(tiny):
     stats = engine.scheduler.spec_stats
     assert last is not None and last.spec_stats is not None
     assert last.spec_stats.num_accepted == stats.num_accepted > 0
-    text = Metrics().render(engine).decode()
+    text = Metrics().render(engine.stats()).decode()
     assert f"headrace_spec_decode_draft_tokens_accepted_total {float(stats.num_accepted)}" in text
     assert f"headrace_spec_decode_draft_tokens_verified_total {float(stats.num_verified)}" in text
     assert "headrace_spec_decode_acceptance_rate" in text
@@ -374,7 +374,7 @@ def test_metrics_and_log_fields_report_drafts(tiny):
 
 
 async def test_async_engine_turns_the_overlap_off_and_streams_multi_token_deltas(tiny, caplog):
-    from daemon.async_engine import AsyncEngine
+    from daemon.engine.async_engine import AsyncEngine
 
     engine = spec_engine(tiny, "oracle")
     with caplog.at_level("WARNING", logger="headrace.engine"):
@@ -386,13 +386,13 @@ async def test_async_engine_turns_the_overlap_off_and_streams_multi_token_deltas
         deltas = [d async for d in async_engine.generate(mixed_prompts()[0], GREEDY)]
     finally:
         await async_engine.stop()
-    assert [t for d in deltas for t in d.token_ids] == want
-    assert any(len(d.token_ids) > 1 for d in deltas)
+    assert [t for d in deltas for t in d.new_token_ids] == want
+    assert any(len(d.new_token_ids) > 1 for d in deltas)
     assert_pool_clean(engine)
 
 
 def test_detokenizer_finds_the_token_that_completes_a_stop_string():
-    from daemon.detokenizer import IncrementalDetokenizer
+    from daemon.engine.detokenizer import IncrementalDetokenizer
 
     tok = load_tokenizer(resolve_model(None))
     ids = tok.encode("one two three four five")

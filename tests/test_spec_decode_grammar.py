@@ -13,7 +13,7 @@ import re
 
 from model_fixtures import engine_for
 
-from daemon.loaded_model import LoadedModel
+from daemon.engine.loaded_model import LoadedModel
 from grammars import GrammarSpec
 from scheduling import SamplingParams
 

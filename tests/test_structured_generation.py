@@ -17,9 +17,9 @@ import torch
 from model_fixtures import engine_for
 from structured_cases import ARITHMETIC, CHOICES, REGEXES, SCHEMAS, SQL
 
-from daemon.async_engine import AsyncEngine
-from daemon.engine import Completion
-from daemon.loaded_model import LoadedModel
+from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.engine import Completion
+from daemon.engine.loaded_model import LoadedModel
 from grammars import GrammarSpec
 from runner.model_runner import kv_bytes_per_block
 from scheduling import RequestStatus, SamplingParams
@@ -145,7 +145,7 @@ async def _run_async(engine, prompts, params, grammars) -> list[list[int]]:
     async def one(p, g):
         out: list[int] = []
         async for d in engine.generate(p, params, grammar=g):
-            out += d.token_ids
+            out += d.new_token_ids
         return out
 
     try:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from model_fixtures import engine_for, hf_greedy, make_tiny_hf_model
 
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.attention import build_metadata
 from scheduling import SamplingParams
 

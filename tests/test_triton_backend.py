@@ -8,8 +8,8 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.attention_backends import TorchAttentionBackend, select_attention_backend
 from runner.triton_ops import triton_available
 from scheduling import SamplingParams

@@ -9,8 +9,8 @@ import pytest
 import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.cuda_graphs import batch_ladder
 from scheduling import SamplingParams
 
@@ -71,7 +71,7 @@ async def test_device_batch_queue_matches_step_loop(loaded_cuda, overlap: bool) 
     take the host sampler. Both give the plain step loop's tokens."""
     import asyncio
 
-    from daemon.async_engine import AsyncEngine
+    from daemon.engine.async_engine import AsyncEngine
     from runner.device_queue import PendingOutput
 
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -87,7 +87,7 @@ async def test_device_batch_queue_matches_step_loop(loaded_cuda, overlap: bool) 
     async_engine = AsyncEngine(eng, overlap=overlap)
 
     async def one(p: list[int], sp: SamplingParams) -> list[int]:
-        return [t async for d in async_engine.generate(p, sp) for t in d.token_ids]
+        return [t async for d in async_engine.generate(p, sp) for t in d.new_token_ids]
 
     got = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
     await async_engine.stop()

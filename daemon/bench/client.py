@@ -147,7 +147,7 @@ async def send(
 
 
 # Server counters: the names each engine exports for the same thing. headrace's come from
-# daemon/metrics.py; vLLM V1 and llama.cpp names are the ones their /metrics pages use.
+# daemon/openai/metrics.py; vLLM V1 and llama.cpp names are the ones their /metrics pages use.
 SERVER_METRICS: dict[str, tuple[str, ...]] = {
     "preemptions": (
         "headrace_preemptions_total",

@@ -1,4 +1,4 @@
-"""Summarise a `headrace serve --profile-steps` log (written by daemon/step_profile.py)."""
+"""Summarise a `headrace serve --profile-steps` log (written by daemon/engine/step_profile.py)."""
 
 from __future__ import annotations
 

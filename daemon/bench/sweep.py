@@ -125,7 +125,7 @@ class LaunchedPeer:
             cmd = [
                 sys.executable,
                 "-m",
-                "daemon.cli",
+                "daemon.service.cli",
                 "serve",
                 "--port",
                 str(self.port),

@@ -8,8 +8,8 @@ import aiohttp
 from aiohttp import web
 from reliability_fixtures import api_client
 
-from daemon.api_options import APIOptions
-from daemon.auth import load_api_key
+from daemon.openai.auth import load_api_key
+from daemon.openai.options import APIOptions
 
 CHAT = [{"role": "user", "content": "Hi there"}]
 
@@ -139,8 +139,8 @@ async def test_prompts_stay_out_of_logs_unless_asked(tiny, caplog):
 
 
 def test_access_and_limit_options_parse_from_flags_and_environment():
-    from daemon.serve_config import parse_serve_args
-    from daemon.server import api_options
+    from daemon.service.serve_config import parse_serve_args
+    from daemon.service.server import api_options
 
     config = parse_serve_args(
         [

@@ -13,9 +13,9 @@ import openai
 import pytest
 from reliability_fixtures import api_client, assert_pool_empty, make_engine, wait_idle
 
-import daemon.engine as engine_module
-from daemon.async_engine import AsyncEngine
-from daemon.detokenizer import IncrementalDetokenizer
+import daemon.engine.engine as engine_module
+from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.detokenizer import IncrementalDetokenizer
 from grammars import GrammarSpec, GrammarState
 from scheduling import SamplingParams
 
@@ -26,7 +26,7 @@ PROMPTS = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(5)]
 async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams, **kw):
     ids, reason, why = [], None, None
     async for d in engine.generate(prompt, params, **kw):
-        ids += d.token_ids
+        ids += d.new_token_ids
         reason, why = d.finish_reason, d.stop_reason
     return ids, reason, why
 
@@ -141,7 +141,7 @@ async def test_forward_fault_fails_its_step_and_the_engine_goes_on(tiny, monkeyp
         async def drain(stream):
             ids, reason = [], None
             async for d in stream:
-                ids += d.token_ids
+                ids += d.new_token_ids
                 reason = d.finish_reason
             return stream.request_id, ids, reason
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from openapi_strategies import ANY_JSON, SchemaStrategies
 from reliability_fixtures import api_client
 
-from daemon.extra_endpoints import openapi_document
+from daemon.openai.extra_endpoints import openapi_document
 
 EXAMPLES = int(os.environ.get("HEADRACE_FUZZ_EXAMPLES", "2000"))
 DOC = openapi_document()

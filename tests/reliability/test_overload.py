@@ -8,9 +8,9 @@ import time
 from aiohttp import web
 from reliability_fixtures import api_client, assert_pool_empty, make_engine, wait_idle
 
-from daemon.api_options import APIOptions
-from daemon.async_engine import AsyncEngine
-from daemon.overload import CapacityEstimate
+from daemon.engine.async_engine import AsyncEngine
+from daemon.openai.options import APIOptions
+from daemon.openai.overload import CapacityEstimate
 from scheduling import SamplingParams
 
 
@@ -23,7 +23,7 @@ async def test_a_stream_nobody_reads_is_ended_at_the_pending_limit(tiny):
         assert stream.queue.qsize() <= 9
         deltas = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
         assert deltas[-1].finish_reason == "abort" and "did not read" in deltas[-1].stop_reason
-        assert sum(len(d.token_ids) for d in deltas) <= 8
+        assert sum(len(d.new_token_ids) for d in deltas) <= 8
     finally:
         await engine.stop()
     assert_pool_empty(engine)

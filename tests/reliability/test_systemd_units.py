@@ -11,8 +11,9 @@ import pytest
 
 from runner.cache_dir import cache_dir
 
-UNITS = Path(__file__).parents[2] / "daemon" / "units"
-README = Path(__file__).parents[2] / "README.md"
+UNITS = Path(__file__).parents[2] / "daemon" / "service" / "units"
+# The install steps live in docs/systemd.md (linked from the README).
+README = Path(__file__).parents[2] / "docs" / "systemd.md"
 EXEC = "/opt/headrace/bin/headrace"
 
 

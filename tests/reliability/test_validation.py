@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from reliability_fixtures import api_client
 
-from daemon import validation
-from daemon.api_options import APIOptions
+from daemon.openai import validation
+from daemon.openai.options import APIOptions
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -152,7 +152,7 @@ async def test_http_errors_are_json(tiny):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_allow_lists_match_the_openapi_document(endpoint):
-    from daemon.extra_endpoints import openapi_document
+    from daemon.openai.extra_endpoints import openapi_document
 
     schemas = openapi_document()["components"]["schemas"]
     name = "CompletionRequest" if endpoint == "completions" else "ChatCompletionRequest"

@@ -1,0 +1,236 @@
+"""AsyncEngine: the engine loop as one asyncio task, the forward pass on one runner thread.
+
+```
+loop thread:   schedule N | schedule N+1 | process N, stream N | schedule N+2 | process N+1 ...
+runner thread:            | execute N ------------------------ | execute N+1 -------------- ...
+```
+A batch queue of depth 2: while step N runs, step N+1 is already scheduled and queued, so
+the runner never waits for Python between steps. Decode requests in N are scheduled for
+N+1 with a placeholder token that the runner fills from N's sampled ids. With `overlap`
+off the queue depth is 1 (schedule, execute, process, repeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from daemon.engine.client import EngineStats
+from daemon.engine.engine import Engine
+from daemon.engine.outputs import Delta
+from runner.device_queue import PendingOutput
+from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
+
+log = logging.getLogger("headrace.engine")
+
+
+def runner_executor() -> ThreadPoolExecutor:
+    """The one runner thread: every forward (and, in the daemon, the engine's construction)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
+
+
+class RequestStream:
+    """The deltas of one request. `close()` before the end aborts it (blocks return)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        if delta.finished:
+            self.finished = True
+            self.engine._streams.pop(self.request_id, None)
+        return delta
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """The in-process EngineClient: owns the Engine; only its loop task touches scheduler
+    state (one owner).
+
+    Handlers call `add_request` (or `generate`) and iterate the deltas; leaving the
+    iteration early (a client that disconnects) aborts the request and frees its blocks at
+    the next step.
+    """
+
+    def __init__(
+        self, engine: Engine, overlap: bool = True, executor: ThreadPoolExecutor | None = None
+    ) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        if overlap and engine.speculative.enabled:
+            # Drafts for step N+1 come from step N's sampled tokens, so N+1 cannot be
+            # scheduled while N runs: speculation and the batch queue exclude each other.
+            log.warning("speculative decoding is on: batch-queue overlap turned off")
+            overlap = False
+        self.overlap = overlap
+        self.depth = 2 if overlap else 1
+        # The runner thread; pass the one that built the engine (see daemon/service/server.py).
+        self._executor = executor or runner_executor()
+        # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="headrace-waiter")
+        self._streams: dict[str, asyncio.Queue[Delta]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # Called once per loop iteration (the systemd watchdog pings from here).
+        self.on_iteration: Callable[[], None] | None = None
+        # When set, an idle loop still wakes this often (so the watchdog keeps pinging).
+        self.idle_timeout: float | None = None
+        self.num_steps = 0
+        self._checked_at_step = 0
+        # A stream holding this many undelivered deltas (its client stopped reading) is
+        # ended: memory per request stays bounded whatever the client does.
+        self.max_pending_deltas = 4096
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)
+        self._waiter.shutdown(wait=True)
+
+    @property
+    def num_in_flight_requests(self) -> int:
+        return len(self._streams)
+
+    def in_flight_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **options: Any
+    ) -> RequestStream:
+        """Queue a request now; iterate the returned stream for its deltas.
+
+        `options` are Engine.add_request's (request_id, priority, slo, cache_salt). Raises
+        ValueError (bad input) or QueueFullError (come back later) right here.
+        """
+        self.start()
+        rid = self.engine.add_request(prompt, params, **options)
+        stream = RequestStream(self, rid)
+        self._streams[rid] = stream.queue
+        self._wake.set()
+        return stream
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kw: Any
+    ) -> AsyncIterator[Delta]:
+        """Add a request and yield its deltas until it finishes (aborted if left early)."""
+        stream = self.add_request(prompt, params, **kw)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort([request_id])
+        self._wake.set()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Future[RunnerOutput]]] = deque()
+        while True:
+            if self.on_iteration is not None:
+                self.on_iteration()
+            if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
+                so = self.engine.schedule()
+                if not so.is_empty:
+                    in_flight.append(
+                        (so, loop.run_in_executor(self._executor, self._launcher(), so))
+                    )
+                    if len(in_flight) < self.depth:
+                        continue  # queue the next step before waiting on this one
+                else:
+                    # Nothing runnable (all waiting or deferred): send out rejections now; the
+                    # runner drops finished state on its own thread, after any step in flight.
+                    self._dispatch(self.engine.process(so, RunnerOutput()))
+                    if so.finished_req_ids or so.preempted_req_ids:
+                        self._executor.submit(self.engine.execute, so)
+            if in_flight:
+                so, future = in_flight.popleft()
+                try:
+                    ro = await future
+                    if isinstance(ro, PendingOutput):
+                        # CUDA: the ids are still copying to pinned memory; wait on that
+                        # step's event off the loop, while the runner launches the next.
+                        ro = await loop.run_in_executor(self._waiter, ro.result)
+                except Exception as e:
+                    self._dispatch(self.engine.fail_step(so, e))
+                else:
+                    self._dispatch(self.engine.process(so, ro))
+                self.num_steps += 1
+                continue
+            self._wake.clear()
+            if not self.engine.has_unfinished_requests():
+                # Idle: the ids that finished in the last step would otherwise wait for the
+                # next one. Scheduler state stays on this thread, runner state on its own.
+                so = self.engine.schedule()
+                if so.finished_req_ids or so.preempted_req_ids:
+                    await loop.run_in_executor(self._executor, self.engine.execute, so)
+                if self.num_steps != self._checked_at_step:
+                    self._checked_at_step = self.num_steps
+                    self.engine.check_idle()
+            if self.engine.has_unfinished_requests():
+                # Requests exist but none can run now: poll gently instead of spinning.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
+
+    def _launcher(self) -> Callable[[SchedulerOutput], RunnerOutput | PendingOutput]:
+        """With device-side ids (CUDA) a step returns before its ids reach the host; CPU
+        steps run to the end."""
+        on_device = self.engine.runner.device_tokens is not None
+        return self.engine.launch if on_device else self.engine.execute
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is None:
+                continue
+            if queue.qsize() >= self.max_pending_deltas and not delta.finished:
+                self._overflow(delta.request_id, queue)
+                continue
+            queue.put_nowait(delta)
+
+    def _overflow(self, request_id: str, queue: asyncio.Queue[Delta]) -> None:
+        log.warning("request %s: %d deltas not taken; ending it", request_id, queue.qsize())
+        self._streams.pop(request_id, None)
+        self.engine.abort([request_id])
+        why = f"the client did not read its stream ({self.max_pending_deltas} chunks pending)"
+        queue.put_nowait(Delta.ending(request_id, "abort", why))

@@ -1,0 +1,91 @@
+"""The seam between the API and an engine: what a front door may ask of any engine.
+
+```
+daemon.openai (HTTP)  --EngineClient-->  LocalEngine   (AsyncEngine, this process)
+                                         a replica set, a remote engine (next)
+```
+The API layer depends on this Protocol only, never on an engine's scheduler, KV cache or
+runner: each transport implements it, and everything it returns is plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from daemon.engine.outputs import Delta
+from scheduling import SamplingParams, SpecDecodeStats
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model as the front door needs to know it (limits it checks up front)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    # The waiting-queue limit (--max-waiting); 0: unbounded.
+    max_waiting: int = 0
+    # A token id the warm-up request may send (EOS when the model has one).
+    warmup_token_id: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Load and health figures at one moment (read at scrape and routing time)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    # Running totals since start (counters advance to them).
+    prefix_query_tokens: int = 0
+    preemptions: int = 0
+    constrained_requests: int = 0
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    # Compile times of grammars finished since the last read (each is handed out once).
+    grammar_compile_seconds: list[float] = field(default_factory=list)
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+
+class DeltaStream(Protocol):
+    """One request's deltas, in order, the last one finished. `close()` early aborts it."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    async def __anext__(self) -> Delta: ...
+
+    def close(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """An engine as the API sees it: add a request, stream its deltas, abort, read load.
+
+    `add_request` raises ValueError (bad input; the message starts with the field name) or
+    scheduling.QueueFullError (come back later) at once, before any delta exists.
+    """
+
+    info: ModelInfo
+    # The model's tokenizer (transformers), or None for a model served by token ids only.
+    tokenizer: Any
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, **options: Any
+    ) -> DeltaStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def num_in_flight_requests(self) -> int: ...
+
+    def in_flight_ids(self) -> list[str]: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,354 @@
+"""Engine: Scheduler + KVCacheManager + ModelRunner + detokenizer, stepped in one thread.
+
+`Engine.generate` serves scripts; `AsyncEngine` (daemon/engine/async_engine.py) drives the
+same three calls (schedule, execute, process) from the event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from daemon.engine import speculative
+from daemon.engine.admission import check_prompt, check_vocab
+from daemon.engine.client import EngineStats, ModelInfo
+from daemon.engine.config import EngineConfig, default_threads
+from daemon.engine.grammar_requests import GrammarRequests
+from daemon.engine.kv_sizing import num_kv_blocks, uses_cuda_graphs
+from daemon.engine.loaded_model import LoadedModel, pick_device
+from daemon.engine.output_processor import OutputProcessor
+from daemon.engine.outputs import Completion, Delta
+from grammars import GrammarSpec
+from kvcache import KVCacheManager
+from plugins import load_policy
+from runner.device_queue import PendingOutput
+from runner.model_runner import ModelRunner
+from runner.thread_governor import ThreadGovernor
+from scheduling import (
+    SLO,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    RunnerOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepStats,
+)
+
+log = logging.getLogger("headrace.engine")
+
+
+class Engine:
+    """The whole data plane in one object; not thread-safe (one owner calls it)."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        self.governor = _thread_governor(config)
+        loaded = loaded or LoadedModel.load(config)
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.tokenizer, self.model, self.model_config = (
+            loaded.tokenizer,
+            loaded.model,
+            loaded.config,
+        )
+        self.model_name = loaded.name
+        max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        num_blocks = num_kv_blocks(
+            config, self.model, self.model_config, self.device, self.dtype, max_model_len
+        )
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
+        )
+        sched_config = SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_waiting=config.max_waiting,
+        )
+        self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
+        self.speculative = speculative.speculative_config(config)
+        graphs = uses_cuda_graphs(config, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.attention_backend,
+            (config.max_num_seqs, max_model_len) if graphs else None,
+            speculative.build_proposer(self.speculative),
+            self.speculative.num_speculative_tokens,
+        )
+        self.runner.draft_length = speculative.draft_length(self.speculative)
+        self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
+        self.info = ModelInfo(
+            self.model_name,
+            max_model_len,
+            self.model_config.vocab_size,
+            config.max_waiting or 0,
+            self.eos_token_id or 0,
+        )
+        self.outputs = OutputProcessor()
+        self._ids = itertools.count()
+        # Deltas made outside a step (a grammar that failed), handed out with the next one.
+        self._pending: list[Delta] = []
+        # Compiles grammars off this thread; constrained requests wait for them here.
+        self.grammars = GrammarRequests(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
+        log.info(
+            "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
+            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s",
+            self.model_name,
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            self.runner.attn_backend.name,
+            num_blocks,
+            config.block_size,
+            torch.get_num_threads(),
+            os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "on" if self.governor else "off",
+            speculative.describe(self.speculative),
+        )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        slo: SLO | None = None,
+        cache_salt: str | None = None,
+        grammar: GrammarSpec | None = None,
+    ) -> str:
+        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled."""
+        params = params or SamplingParams()
+        if grammar is not None and params.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured output")
+        prompt_ids = self.tokenize(prompt)
+        check_prompt(prompt_ids, self.model_config.vocab_size)
+        check_vocab(params, self.model_config.vocab_size)
+        request_id = request_id or f"req-{next(self._ids)}"
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=time.monotonic(),
+            eos_token_id=self.eos_token_id,
+            priority=priority,
+            slo=slo,
+            cache_salt=cache_salt,
+        )
+        if grammar is not None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.scheduler.add_request(req)
+        if grammar is not None:
+            self.grammars.submit(req, grammar)
+        self.outputs.add(request_id, self.tokenizer, prompt_ids, params)
+        return request_id
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.outputs.drop(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step: schedule (loop thread) -> execute (runner thread) -> process (loop) ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Release requests whose grammar is ready (or failed), then schedule a step."""
+        for req, error in self.grammars.poll():
+            delta = self._end_with_error(req.request_id, error)
+            delta.bad_request, delta.num_prompt_tokens = error, req.num_prompt_tokens
+            self._pending.append(delta)
+        return self.scheduler.schedule()
+
+    def step(self) -> list[Delta]:
+        so = self.schedule()
+        return self.process(so, self.execute(so))
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        ro = self.launch(so)
+        return ro.result() if isinstance(ro, PendingOutput) else ro
+
+    def launch(self, so: SchedulerOutput) -> RunnerOutput | PendingOutput:
+        """Run a step; on CUDA its ids may still be on their way (PendingOutput.result())."""
+        start = time.perf_counter()
+        governor = self.governor if not so.is_empty else None
+        if governor is not None:
+            self._set_threads(governor.threads())
+        try:
+            ro = self.runner.execute(so)
+        finally:
+            if governor is not None:
+                governor.step_done()
+        if isinstance(ro, RunnerOutput):
+            ro.duration_s = time.perf_counter() - start
+        return ro
+
+    def _set_threads(self, threads: int) -> None:
+        """The governor's thread count, set on this (the runner's) thread when it changes."""
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            assert self.governor is not None
+            log.info("thread governor: %d thread(s) from now (%s)", threads, self.governor.reason)
+
+    def process(self, so: SchedulerOutput, ro: RunnerOutput) -> list[Delta]:
+        """Apply a step's results: advance requests, detokenize, end those that hit a stop."""
+        if not so.is_empty:
+            self.scheduler.observe_step(StepStats(so.shape, ro.duration_s))
+        deltas, self._pending = self._pending, []
+        deltas += self._fail_requests(ro.failed)
+        for out in self.scheduler.update(so, ro):
+            deltas.append(self._delta_isolated(out))
+        return deltas
+
+    def _fail_requests(self, failed: dict[str, str]) -> list[Delta]:
+        """End requests whose own processing raised (finish "error"); the others go on."""
+        ids = [rid for rid in failed if rid in self.scheduler.requests]
+        if not ids:
+            return []
+        log.error("ending %d request(s) after a fault of their own: %s", len(ids), failed)
+        return [self._end_with_error(rid, failed[rid]) for rid in ids]
+
+    def _end_with_error(self, rid: str, why: str) -> Delta:
+        """Finish one request FINISHED_ERROR (its blocks freed untrusted) and say why."""
+        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        self.outputs.drop([rid])
+        return Delta.ending(rid, "error", why)
+
+    def _delta_isolated(self, out: RequestOutput) -> Delta:
+        """`_delta`, but a detokenizer (or stop-check) fault ends this request alone."""
+        try:
+            return self._delta(out)
+        except Exception as e:  # attributable to this request only
+            log.error("detokenizing %s failed", out.request_id, exc_info=True)
+            return self._end_with_error(out.request_id, f"detokenizing failed: {e!r}")
+
+    def release_finished(self) -> None:
+        """When idle: let the runner drop the state of requests that ended in the last step.
+
+        Those ids normally ride on the next SchedulerOutput; with no next step they would
+        linger. Call only while no step is in flight (it runs on the caller's thread).
+        """
+        so = self.schedule()
+        assert so.is_empty, "release_finished called with runnable requests"
+        self.runner.execute(so)
+
+    def check_idle(self) -> bool:
+        """With no request left, every block must be free and the pool consistent.
+
+        Cheap (one pass over the blocks); the loop calls it each time it goes idle, so a leak
+        shows up in the log at once instead of as a slowly shrinking cache.
+        """
+        try:
+            self.kv.check_integrity()
+            assert self.kv.num_free_blocks == self.kv.num_blocks, (
+                f"{self.kv.num_blocks - self.kv.num_free_blocks} KV blocks held while idle"
+            )
+        except AssertionError as e:
+            log.error("KV cache check failed while idle: %s", e)
+            return False
+        return True
+
+    def fail_step(self, so: SchedulerOutput, error: BaseException) -> list[Delta]:
+        """A step raised: its requests end with finish_reason "error"; the engine goes on."""
+        log.exception("step failed; ending its %d requests", len(so.num_scheduled_tokens))
+        ids = [rid for rid in so.num_scheduled_tokens if rid in self.scheduler.requests]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.outputs.drop(ids)
+        return [Delta.ending(rid, "error", str(error)) for rid in ids]
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        delta, stop_here = self.outputs.delta(out)
+        if stop_here:
+            self.scheduler.finish_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
+        if not self.speculative.enabled:
+            delta.spec_stats = None
+        return delta
+
+    def stats(self) -> EngineStats:
+        """Load and cache figures now (loop thread: it reads scheduler state)."""
+        sched, kv, grammars = self.scheduler, self.kv, self.grammars
+        compiles = grammars.stats
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=kv.usage(),
+            prefix_hit_rate=kv.prefix_stats.hit_rate,
+            prefix_query_tokens=kv.prefix_stats.queries,
+            preemptions=sched.num_preemptions,
+            constrained_requests=grammars.num_requests,
+            grammar_cache_hits=compiles.hits if compiles else 0,
+            grammar_cache_misses=compiles.misses if compiles else 0,
+            grammar_compile_seconds=list(compiles.drain_compile_seconds()) if compiles else [],
+            spec=sched.spec_stats,
+        )
+
+    # -- scripts -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        grammars: Sequence[GrammarSpec | None] | None = None,
+    ) -> list[Completion]:
+        """Run `prompts` to completion together; results in prompt order.
+
+        `params` and `grammars` may be one per prompt.
+        """
+        per_params = params if isinstance(params, Sequence) else [params] * len(prompts)
+        per_grammar = grammars if grammars is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, sp, grammar=g)
+            for p, sp, g in zip(prompts, per_params, per_grammar, strict=True)
+        ]
+        results = {rid: Completion(rid) for rid in ids}
+        # Offline, the batch starts together once its grammars are compiled: the steps
+        # (and so the outputs) do not depend on how fast the compile threads were.
+        self.grammars.wait_compiled()
+        while self.has_unfinished_requests():
+            for d in self.step():
+                c = results.get(d.request_id)
+                if c is None:
+                    continue
+                c.text += d.text
+                c.token_ids += d.new_token_ids
+                if d.finished:
+                    c.finish_reason = d.finish_reason
+                    c.error = d.bad_request
+                    c.prompt_tokens, c.cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
+        self.release_finished()
+        return [results[rid] for rid in ids]
+
+
+def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
+    """Sets torch's thread count; returns the governor when it should adapt it per step."""
+    if not (config.threads or pick_device(config.device).type == "cpu"):
+        return None
+    threads = config.threads or default_threads()
+    torch.set_num_threads(threads)
+    governor = ThreadGovernor(threads)
+    # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    return governor if config.thread_governor and governor.enabled and not passive else None

@@ -1,0 +1,26 @@
+"""The API layer's limits and access settings (a plain dataclass; ServerConfig fills it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class APIOptions:
+    """What the HTTP layer enforces around the engine."""
+
+    # Bodies above this answer 413 before they are read whole.
+    max_request_bytes: int = 8 << 20
+    # When set, every route but /health needs `Authorization: Bearer <key>`.
+    api_key: str | None = None
+    # /metrics answers only on the Unix socket (file mode and group control who reads it).
+    metrics_unix_only: bool = False
+    # Log prompt text (never logged otherwise).
+    log_prompts: bool = False
+    # A stream whose client has not taken a chunk for this long is ended (slow reader).
+    stream_timeout: float = 60.0
+    # Prompts (or chat messages) longer than this many characters are tokenized on a
+    # worker thread, so the event loop keeps serving meanwhile.
+    offload_chars: int = 4096
+    # The `headrace.tool_parsers` entry that reads tool calls out of "auto" answers.
+    tool_parser: str = "hermes"

@@ -1,0 +1,152 @@
+"""`headrace serve` settings: flags > HEADRACE_* environment > TOML file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.engine.config import EngineConfig, opt
+
+ENV_PREFIX = "HEADRACE_"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The daemon around the engine: where it listens and how it stops."""
+
+    host: str = opt("127.0.0.1", "TCP address to listen on ('' to disable TCP)")
+    port: int = opt(8000, "TCP port (0: pick a free one and log it)")
+    uds: str | None = opt(None, "also serve on this Unix socket path (mode 0660)")
+    served_model_name: str | None = opt(None, "model name in the API (default: the file's)")
+    drain_timeout: float = opt(
+        30.0, "seconds to let in-flight requests finish after SIGTERM before aborting them"
+    )
+    overlap: bool | None = opt(
+        None,
+        "schedule step N+1 while step N runs (the batch queue); unset: on with CUDA, off on "
+        "CPU, where the forward is itself Python on the GIL and an overlapped step only "
+        "competes with it (benchmarks/serve_load.py --spawn measures both)",
+    )
+    log_level: str = opt("info", "debug, info, warning or error")
+    log_prompts: bool = opt(False, "log prompt text (never logged otherwise)")
+    api_key: str | None = opt(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health (visible in ps: "
+        "prefer HEADRACE_API_KEY or --api-key-file)",
+    )
+    api_key_file: str | None = opt(None, "read the API key from the first line of this file")
+    metrics_unix_only: bool = opt(False, "serve /metrics on the Unix socket only")
+    max_request_bytes: int = opt(
+        8 << 20, "request bodies above this many bytes answer 413 before they are read"
+    )
+    stream_timeout: float = opt(
+        60.0, "end a stream whose client has taken no data for this many seconds"
+    )
+    profile_steps: str | None = opt(
+        None,
+        "append one JSON line per engine step to this file (tokens, schedule/forward/sample "
+        "time, Python share); summarise with `headrace bench profile FILE`",
+    )
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Everything `headrace serve` needs."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def options() -> list[tuple[str, dataclasses.Field[Any], str]]:
+    """(option name, field, section) for every field of both configs."""
+    out = []
+    for section, cls in (("server", ServerConfig), ("engine", EngineConfig)):
+        for f in dataclasses.fields(cls):
+            out.append((f.name, f, section))
+    return out
+
+
+def _converter(f: dataclasses.Field[Any]) -> Any:
+    kind = str(f.type).replace(" | None", "")
+    return {"int": int, "float": float, "bool": _parse_bool, "str": str}[kind]
+
+
+def _parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML file of these options (also {ENV_PREFIX}CONFIG); keys as option names "
+        "with underscores",
+    )
+    for name, f, _ in options():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        default = f.default
+        help_text = f"{f.metadata['help']} [env {env}; default {default}]"
+        if str(f.type) in ("bool", "bool | None"):
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+                default=argparse.SUPPRESS,
+            )
+        else:
+            parser.add_argument(flag, type=_converter(f), help=help_text, default=argparse.SUPPRESS)
+
+
+def build_serve_config(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServeConfig:
+    """Layer the sources: defaults, then the TOML file, then the environment, then flags."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_file = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        data = tomllib.loads(Path(config_file).read_text())
+        flat = {**data.pop("server", {}), **data.pop("engine", {}), **data}
+        for key, value in flat.items():
+            values[key.replace("-", "_")] = (value, f"{config_file}: {key}")
+    for name, _, _ in options():
+        env = ENV_PREFIX + name.upper()
+        if env in environ:
+            values[name] = (environ[env], env)
+    for name, _, _ in options():
+        if hasattr(args, name):
+            values[name] = (getattr(args, name), "--" + name.replace("_", "-"))
+    known = {name: (f, section) for name, f, section in options()}
+    sections: dict[str, dict[str, Any]] = {"server": {}, "engine": {}}
+    for name, (value, source) in values.items():
+        if name not in known:
+            raise ValueError(f"{source}: unknown option {name!r}")
+        f, section = known[name]
+        try:
+            sections[section][name] = (
+                None
+                if value in (None, "", "none") and "None" in str(f.type)
+                else _converter(f)(value)
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+    return ServeConfig(ServerConfig(**sections["server"]), EngineConfig(**sections["engine"]))
+
+
+def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServeConfig:
+    parser = argparse.ArgumentParser(prog="headrace serve")
+    add_serve_arguments(parser)
+    return build_serve_config(parser.parse_args(argv), environ)

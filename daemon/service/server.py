@@ -1,0 +1,195 @@
+"""`headrace serve`: one uvloop process, TCP and/or a Unix socket, run well by systemd.
+
+Lifecycle: load and warm up the model -> listen (inherited sockets under socket
+activation) -> READY=1 -> serve -> SIGTERM: STOPPING=1, stop accepting, let in-flight
+requests finish for up to --drain-timeout, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import uvloop
+from aiohttp import web
+
+from daemon.engine.async_engine import AsyncEngine, runner_executor
+from daemon.engine.client import EngineClient
+from daemon.engine.engine import Engine
+from daemon.openai.api import APIServer
+from daemon.openai.auth import load_api_key
+from daemon.openai.metrics import Metrics
+from daemon.openai.options import APIOptions
+from daemon.service.serve_config import ServeConfig, ServerConfig
+from daemon.service.systemd import Notifier, inherited_sockets
+from scheduling import SamplingParams
+
+log = logging.getLogger("headrace.server")
+
+
+def configure_logging(level: str, under_systemd: bool) -> None:
+    # journald adds its own timestamps; a terminal wants them.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not under_systemd:
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0660.
+
+    An existing socket file is replaced only if nothing answers on it (a stale one from a
+    crash); a live server or a file that is not a socket is left alone with an error.
+    """
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise FileExistsError(f"uds: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            p.unlink(missing_ok=True)
+        else:
+            raise FileExistsError(f"uds: another server is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The umask keeps the socket from being world-accessible between bind and chmod.
+    old = os.umask(0o117)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    sock.listen(512)
+    return sock
+
+
+async def warm_up(engine: EngineClient) -> None:
+    """One tiny request through the whole path, so the first client pays no first-call costs."""
+    stream = engine.add_request(
+        [engine.info.warmup_token_id, 1, 2],
+        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+    )
+    try:
+        async for _ in stream:
+            pass
+    finally:
+        stream.close()
+
+
+def api_options(server: ServerConfig) -> APIOptions:
+    return APIOptions(
+        max_request_bytes=server.max_request_bytes,
+        api_key=load_api_key(server.api_key, server.api_key_file),
+        metrics_unix_only=server.metrics_unix_only,
+        log_prompts=server.log_prompts,
+        stream_timeout=server.stream_timeout,
+    )
+
+
+async def serve(config: ServeConfig) -> int:
+    notifier = Notifier()
+    configure_logging(config.server.log_level, notifier.enabled)
+    loop = asyncio.get_running_loop()
+    notifier.status("loading model")
+    # Built on the thread that will run every step: libgomp keeps a thread pool per thread
+    # that opens a parallel region, and with more pooled threads than cores it cuts its
+    # workers' spinning to ~100 rounds, so each region would pay a futex wake-up.
+    runner_thread = runner_executor()
+    engine = await loop.run_in_executor(runner_thread, Engine, config.engine)
+    name = config.server.served_model_name or engine.model_name
+    overlap = config.server.overlap
+    if overlap is None:
+        overlap = engine.device.type == "cuda"
+    async_engine = AsyncEngine(engine, overlap=overlap, executor=runner_thread)
+    async_engine.on_iteration = notifier.watchdog
+    if notifier.watchdog_interval is not None:
+        async_engine.idle_timeout = notifier.watchdog_interval
+    notifier.status("warming up")
+    await warm_up(async_engine)
+    profiler = None
+    if config.server.profile_steps:  # after warm-up: its steps would skew the profile
+        from daemon.engine.step_profile import StepProfiler
+
+        profiler = StepProfiler(config.server.profile_steps)
+        profiler.attach(engine)
+    api = APIServer(async_engine, name, Metrics(), api_options(config.server))
+    runner = web.AppRunner(
+        api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    sites: list[web.BaseSite] = []
+    uds_sock: socket.socket | None = None
+    inherited = inherited_sockets()
+    if inherited:
+        sites = [web.SockSite(runner, sock) for sock in inherited]
+    else:
+        if config.server.host:
+            sites.append(
+                web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
+            )
+        if config.server.uds:
+            uds_sock = bind_unix_socket(config.server.uds)
+            sites.append(web.SockSite(runner, uds_sock))
+    if not sites:
+        raise ValueError("host/uds: nothing to listen on (give --host, --uds, or sockets)")
+    for site in sites:
+        await site.start()
+    where = ", ".join(_describe(site) for site in sites)
+    log.info(
+        "serving %s on %s (batch-queue overlap %s)",
+        name,
+        where,
+        "on" if async_engine.overlap else "off",
+    )
+    notifier.ready(f"serving {name} on {where}")
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("stopping: draining %d in-flight requests", async_engine.num_in_flight_requests)
+    notifier.stopping("draining")
+    api.draining = True
+    for site in sites:
+        await site.stop()
+    deadline = time.monotonic() + config.server.drain_timeout
+    while async_engine.num_in_flight_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for request_id in list(async_engine.in_flight_ids()):
+        async_engine.abort(request_id)
+    await runner.cleanup()
+    await async_engine.stop()
+    if profiler is not None:
+        profiler.close()
+    if uds_sock is not None and config.server.uds:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.server.uds)
+    log.info("stopped")
+    return 0
+
+
+def _describe(site: web.BaseSite) -> str:
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    names = []
+    for sock in sockets:
+        addr = sock.getsockname()
+        names.append(
+            f"unix:{addr}" if sock.family == socket.AF_UNIX else f"http://{addr[0]}:{addr[1]}"
+        )
+    return ", ".join(names) or site.name
+
+
+def run(config: ServeConfig) -> int:
+    return uvloop.run(serve(config))
