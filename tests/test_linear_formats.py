@@ -39,7 +39,10 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def packed_copy(src: Linear, fmt: str, dtype=torch.float32, kernel=None) -> Linear:
     layer = Linear(src.in_features, src.out_features, bias=src.bias is not None)
     layer.load_state_dict(src.state_dict())
-    layer.to(dtype).pack(fmt, kernel)
+    # As the platform packs it: fbgemm without VNNI sums u8 x s8 pairs in int16 and would
+    # saturate on full-range weights, so it gets 7-bit activations (reduce_range).
+    reduce_range = fmt == "int8" and kernel == "fbgemm" and not CpuFeatures.detect().vnni
+    layer.to(dtype).pack(fmt, kernel, reduce_range)
     return layer
 
 
