@@ -175,7 +175,10 @@ def select_platform(
             else "dtype auto -> float32 (no native bf16 matmul on this CPU)"
         )
     float_format = "onednn" if chosen == torch.bfloat16 and onednn_bf16_available() else "float"
-    kernel = default_int8_kernel()
+    # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
+    # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
+    # tokens on Zen 3. torch._int_mm accumulates in int32 at full range.
+    kernel = default_int8_kernel() if feats.vnni else "int_mm"
     fmt = float_format
     if quantization == "int8":
         fmt = "int8"
