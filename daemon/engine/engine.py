@@ -21,12 +21,14 @@ from daemon.engine.config import EngineConfig, default_threads
 from daemon.engine.grammar_requests import GrammarRequests
 from daemon.engine.kv_sizing import num_kv_blocks, uses_cuda_graphs
 from daemon.engine.loaded_model import LoadedModel, pick_device
+from daemon.engine.lora import lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
 from grammars import GrammarSpec
 from kvcache import KVCacheManager
 from plugins import load_policy
 from runner.device_queue import PendingOutput
+from runner.lora import LoRARegistry, UnknownAdapterError
 from runner.model_runner import ModelRunner
 from runner.thread_governor import ThreadGovernor
 from scheduling import (
@@ -66,12 +68,20 @@ class Engine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
         )
+        # The adapters served by name; None when LoRA is off (nothing installed).
+        self.loras: LoRARegistry | None = None
+        lora_manager = None
+        if lora_enabled(config):
+            self.loras, lora_manager = setup_lora(
+                self.model, self.model_config, self.model_name, config, self.device, self.dtype
+            )
         sched_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_waiting=config.max_waiting,
+            max_loras=config.max_loras if self.loras is not None else 0,
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
         self.speculative = speculative.speculative_config(config)
@@ -87,6 +97,7 @@ class Engine:
             (config.max_num_seqs, max_model_len) if graphs else None,
             speculative.build_proposer(self.speculative),
             self.speculative.num_speculative_tokens,
+            lora_manager,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
@@ -139,9 +150,16 @@ class Engine:
         slo: SLO | None = None,
         cache_salt: str | None = None,
         grammar: GrammarSpec | None = None,
+        lora: str | None = None,
     ) -> str:
-        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled."""
+        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled.
+        `lora` names a served adapter (UnknownAdapterError if there is none of that name)."""
         params = params or SamplingParams()
+        adapter = None
+        if lora is not None:
+            if self.loras is None:
+                raise UnknownAdapterError(f"the model {lora!r} does not exist")
+            adapter = self.loras.get(lora)
         if grammar is not None and params.ignore_eos:
             raise ValueError("ignore_eos: cannot be combined with structured output")
         prompt_ids = self.tokenize(prompt)
@@ -157,6 +175,8 @@ class Engine:
             priority=priority,
             slo=slo,
             cache_salt=cache_salt,
+            lora_id=adapter.lora_id if adapter else None,
+            lora=adapter,
         )
         if grammar is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -312,16 +332,19 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         grammars: Sequence[GrammarSpec | None] | None = None,
+        loras: Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Run `prompts` to completion together; results in prompt order.
 
-        `params` and `grammars` may be one per prompt.
+        `params`, `grammars` and `loras` (adapter names, None for the base) may be one per
+        prompt.
         """
         per_params = params if isinstance(params, Sequence) else [params] * len(prompts)
         per_grammar = grammars if grammars is not None else [None] * len(prompts)
+        per_lora = loras if loras is not None else [None] * len(prompts)
         ids = [
-            self.add_request(p, sp, grammar=g)
-            for p, sp, g in zip(prompts, per_params, per_grammar, strict=True)
+            self.add_request(p, sp, grammar=g, lora=lora)
+            for p, sp, g, lora in zip(prompts, per_params, per_grammar, per_lora, strict=True)
         ]
         results = {rid: Completion(rid) for rid in ids}
         # Offline, the batch starts together once its grammars are compiled: the steps

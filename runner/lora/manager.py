@@ -75,6 +75,29 @@ class LoRAManager:
         # The fused Triton kernel on CUDA; torch's matmuls elsewhere.
         self.use_kernel = device.type == "cuda" and _triton_available()
 
+    @classmethod
+    def attach(
+        cls,
+        model: nn.Module,
+        base: LoRABase,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> LoRAManager:
+        """The model's manager, installed on first use: engines sharing one loaded model
+        share its wrappers and so one resident table (they step one at a time)."""
+        manager = getattr(model, "lora_manager", None)
+        if manager is None:
+            manager = cls(model, base, max_loras, max_rank, device, dtype)
+            model.lora_manager = manager
+        elif (manager.table.max_loras, manager.max_rank) != (max_loras, max_rank):
+            raise ValueError(
+                f"this model serves LoRA with max_loras {manager.table.max_loras} and "
+                f"max_lora_rank {manager.max_rank} already"
+            )
+        return manager
+
     def begin_step(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> bool:
         """Make the step's adapters resident and publish its segments to every wrapper.
         False (and nothing published) when no request of the step runs an adapter."""
