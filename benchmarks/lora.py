@@ -27,9 +27,9 @@ import torch
 from machine import cpu_description
 from safetensors.torch import save_file
 
-from daemon.engine import Engine
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.engine import Engine
+from daemon.engine.loaded_model import LoadedModel
 from scheduling import SamplingParams
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

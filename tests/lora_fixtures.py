@@ -24,10 +24,12 @@ def make_peft_adapter(
     r: int = 4,
     targets: list[str] | None = None,
     alpha: float = 8.0,
+    model_overrides: dict[str, object] | None = None,
     **lora_config: object,
 ) -> torch.nn.Module:
     """Save a random peft LoRA adapter for the tiny `kind` model (the same weights
-    make_tiny_hf_model gives) in `directory`; returns peft's merged model (the oracle)."""
+    make_tiny_hf_model gives, with `model_overrides`) in `directory`; returns peft's merged
+    model (the oracle)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -38,7 +40,7 @@ def make_peft_adapter(
         init_lora_weights=False,
         **lora_config,
     )
-    base = make_tiny_hf_model(kind)
+    base = make_tiny_hf_model(kind, **(model_overrides or {}))
     torch.manual_seed(seed)
     peft_model = get_peft_model(base, config)
     peft_model.save_pretrained(directory)

@@ -16,12 +16,13 @@ def test_segments_gather_each_adapters_rows() -> None:
     # r0 3 rows slot 1 | r1 1 base | r2 2 slot 0 | r3 1 slot 1 | r4 1 slot 0 | r5 1 base
     batch = LoRABatch.build([1, -1, 0, 1, 0, -1], [3, 1, 2, 1, 1, 1], CPU, torch.float32)
     assert batch is not None
-    assert batch.slots == [1, 0]
-    assert batch.rows[0].tolist() == [0, 1, 2, 6]
-    assert batch.rows[1].tolist() == [4, 5, 7]
+    assert batch.slots == [0, 1]  # in slot order
+    assert batch.rows[0].tolist() == [4, 5, 7]
+    assert batch.rows[1].tolist() == [0, 1, 2, 6]
     assert batch.padded is not None  # 2 x 4 padded rows for 7 real ones
-    assert batch.padded.index.tolist() == [[0, 1, 2, 6], [4, 5, 7, 4]]
-    assert batch.padded.mask.squeeze(-1).tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert batch.padded.slots == slice(0, 2)  # consecutive: a view of the stacked weights
+    assert batch.padded.index.tolist() == [[4, 5, 7, 4], [0, 1, 2, 6]]
+    assert batch.padded.mask.squeeze(-1).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
 
 
 def test_adjacent_requests_of_one_adapter_make_one_slice() -> None:
@@ -43,7 +44,8 @@ def test_a_long_segment_is_not_padded_against_short_ones() -> None:
 @pytest.mark.parametrize(
     ("request_slots", "num_tokens"),
     [
-        ([1, -1, 0, 1, 0, -1], [3, 1, 2, 1, 1, 1]),  # padded path
+        ([1, -1, 0, 1, 0, -1], [3, 1, 2, 1, 1, 1]),  # padded path, slots 0..1 a slice
+        ([2, 0, 2, 0], [1, 2, 1, 1]),  # padded path, slots 0 and 2 by index
         ([0, 1, -1, 2], [30, 1, 2, 1]),  # per-segment path, a slice and index rows
         ([2, 2], [1, 1]),  # one slice
     ],

@@ -16,12 +16,12 @@ import torch
 
 from daemon.engine import speculative
 from daemon.engine.admission import check_prompt, check_vocab
-from daemon.engine.client import EngineStats, ModelInfo
+from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo
 from daemon.engine.config import EngineConfig, default_threads
 from daemon.engine.grammar_requests import GrammarRequests
 from daemon.engine.kv_sizing import num_kv_blocks, uses_cuda_graphs
 from daemon.engine.loaded_model import LoadedModel, pick_device
-from daemon.engine.lora import lora_enabled, setup_lora
+from daemon.engine.lora import adapter_info, lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
 from grammars import GrammarSpec
@@ -107,6 +107,7 @@ class Engine:
             self.model_config.vocab_size,
             config.max_waiting or 0,
             self.eos_token_id or 0,
+            config.enable_lora_runtime_updates,
         )
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
@@ -185,6 +186,9 @@ class Engine:
             self.grammars.submit(req, grammar)
         self.outputs.add(request_id, self.tokenizer, prompt_ids, params)
         return request_id
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [adapter_info(a) for a in self.loras or ()]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

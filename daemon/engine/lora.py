@@ -6,14 +6,16 @@ nothing is installed and the model runs exactly as before.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from daemon.engine.client import AdapterInfo
 from daemon.engine.config import EngineConfig
-from runner.lora import LoRABase, LoRAManager, LoRARegistry
+from runner.lora import LoRAAdapter, LoRABase, LoRAManager, LoRARegistry
 from runner.model_config import ModelConfig
 
 log = logging.getLogger("headrace.engine")
@@ -55,3 +57,22 @@ def setup_lora(
         log.info("LoRA adapter %s: %s, rank %d (%s)", name, path, adapter.rank, adapter.lora_id)
     manager = LoRAManager.attach(model, base, config.max_loras, config.max_lora_rank, device, dtype)
     return registry, manager
+
+
+def adapter_info(adapter: LoRAAdapter) -> AdapterInfo:
+    return AdapterInfo(adapter.name, str(adapter.path), adapter.rank)
+
+
+async def load_at_run_time(
+    registry: LoRARegistry | None, model_name: str, name: str, path: str
+) -> AdapterInfo:
+    """Read and check an adapter off the event loop, then serve it; ValueError (LoRAError)
+    names a bad name or file, and nothing changes."""
+    if registry is None:
+        raise ValueError("lora: runtime LoRA updates are off (--enable-lora-runtime-updates)")
+    if name == model_name or name in registry:
+        raise ValueError(f"lora_name: {name!r} is served already")
+    adapter = await asyncio.to_thread(registry.read, name, path)
+    registry.add(adapter)
+    log.info("LoRA adapter %s loaded from %s (%s)", name, path, adapter.lora_id)
+    return adapter_info(adapter)

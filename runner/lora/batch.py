@@ -32,7 +32,7 @@ class PaddedSegments:
     """Every segment padded to the longest: rows [G, L] (padding repeats a real row of the
     segment, and `mask` zeroes its products so it adds nothing)."""
 
-    slots: torch.Tensor  # [G] int64
+    slots: torch.Tensor | slice  # [G] int64, or a slice when the slots are consecutive
     index: torch.Tensor  # [G, L] int64 rows of the flattened batch
     mask: torch.Tensor | None  # [G, L, 1] 1 for real rows, 0 for padding; None if none
 
@@ -82,6 +82,9 @@ class LoRABatch:
             start += n
         if not ranges:
             return None
+        # In slot order: resident slots are mostly consecutive, and a slice of the stacked
+        # weights is a view where an index would copy them.
+        ranges = dict(sorted(ranges.items()))
         slots = list(ranges)
         rows_lists = [[r for s, e in spans for r in range(s, e)] for spans in ranges.values()]
         rows: list[slice | torch.Tensor] = [
@@ -121,4 +124,6 @@ def _pad(
     if min(lens) < width:
         mask = torch.tensor([[1] * n + [0] * (width - n) for n in lens], dtype=dtype)
         mask = mask.unsqueeze(-1).to(device, non_blocking=True)
-    return PaddedSegments(_index(slots, device), torch.tensor(index).to(device), mask)
+    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    slot_index = slice(slots[0], slots[-1] + 1) if consecutive else _index(slots, device)
+    return PaddedSegments(slot_index, torch.tensor(index).to(device), mask)
