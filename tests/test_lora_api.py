@@ -121,3 +121,14 @@ def test_lora_flags_parse() -> None:
     assert (cfg.max_loras, cfg.max_lora_rank, cfg.enable_lora_runtime_updates) == (8, 32, False)
     env = parse_serve_args([], environ={"HEADRACE_LORA_MODULES": "a=/x b=/y"}).engine
     assert env.lora_modules == ("a=/x", "b=/y")
+
+
+async def test_grammars_and_speculation_through_an_adapter(tiny) -> None:
+    d, loaded = tiny
+    cfg = _cfg(d, speculative_method="ngram", prompt_lookup_min=1)
+    async with api_client(loaded, **cfg) as (client, _):
+        for model in ("one", None):
+            body = {**BODY, "max_tokens": 8, "guided_choice": ["yes", "no", "maybe"]}
+            r = await client.post("/v1/completions", json={**body, "model": model or "tiny"})
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] in ("yes", "no", "maybe")
