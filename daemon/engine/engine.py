@@ -62,19 +62,20 @@ class Engine:
         )
         self.model_name = loaded.name
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        num_blocks = num_kv_blocks(
-            config, self.model, self.model_config, self.device, self.dtype, max_model_len
-        )
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
-        )
-        # The adapters served by name; None when LoRA is off (nothing installed).
+        # The adapters served by name; None when LoRA is off (nothing installed). Set up
+        # before the KV cache is sized: the resident slots take device memory too.
         self.loras: LoRARegistry | None = None
         lora_manager = None
         if lora_enabled(config):
             self.loras, lora_manager = setup_lora(
                 self.model, self.model_config, self.model_name, config, self.device, self.dtype
             )
+        num_blocks = num_kv_blocks(
+            config, self.model, self.model_config, self.device, self.dtype, max_model_len
+        )
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
+        )
         sched_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -119,7 +120,7 @@ class Engine:
         )
         log.info(
             "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
-            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s",
+            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s, LoRA %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -131,6 +132,10 @@ class Engine:
             os.environ.get("OMP_WAIT_POLICY", "unset"),
             "on" if self.governor else "off",
             speculative.describe(self.speculative),
+            f"{len(self.loras)} adapter(s), {config.max_loras} slots of rank <= "
+            f"{config.max_lora_rank}"
+            if self.loras is not None
+            else "off",
         )
 
     # -- requests ------------------------------------------------------------------------
