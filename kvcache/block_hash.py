@@ -1,7 +1,7 @@
 """Chained block hashes for prefix caching.
 
 A full block's hash covers its parent's hash, its own token ids and extra keys (cache
-salt, later LoRA ids), so equal hashes mean equal prefixes, not just equal blocks.
+salt, LoRA adapter ids), so equal hashes mean equal prefixes, not just equal blocks.
 """
 
 from __future__ import annotations
@@ -55,13 +55,19 @@ def hash_request_blocks(
     token_ids: Sequence[int],
     known: list[BlockHash],
     cache_salt: str | None,
+    lora_id: str | None = None,
 ) -> None:
     """Extend `known` with the hashes of every full block of `token_ids` not hashed yet.
 
-    NOTE: the salt goes into the first block only; chaining carries it to all others.
+    `lora_id` names the LoRA adapter that computed the KV: the same tokens through another
+    adapter (or the base) are different keys and values, so never a hit.
+    NOTE: salt and adapter go into the first block only; chaining carries them to all others.
     """
     num_full = len(token_ids) // block_size
+    first: tuple[object, ...] = () if cache_salt is None else (cache_salt,)
+    if lora_id is not None:
+        first += (("lora", lora_id),)
     for i in range(len(known), num_full):
         parent = known[i - 1] if i else None
-        extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+        extra = first if i == 0 else ()
         known.append(hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], extra))

@@ -19,6 +19,8 @@ class KVRequest(Protocol):
     num_computed_tokens: int
     block_hashes: list[BlockHash]
     cache_salt: str | None
+    # The LoRA adapter the request runs with (None: the base model); part of the block hash.
+    lora_id: str | None
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -178,7 +180,12 @@ class KVCacheManager:
 
     def _update_hashes(self, req: KVRequest) -> None:
         hash_request_blocks(
-            self.hash_fn, self.block_size, req.all_token_ids, req.block_hashes, req.cache_salt
+            self.hash_fn,
+            self.block_size,
+            req.all_token_ids,
+            req.block_hashes,
+            req.cache_salt,
+            req.lora_id,
         )
 
     def check_integrity(self) -> None:

@@ -17,6 +17,7 @@ from grammars import GrammarState, allocate_bitmask
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy, to_device
 from runner.fault_isolation import sample_isolated, sample_one_each
+from runner.lora import LoRAManager
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.rejection_sampler import LogprobEntry, verify_drafts
@@ -39,6 +40,8 @@ class RunnerRequest:
     num_computed_tokens: int
     # Its grammar matcher when constrained; advanced here, on the runner thread.
     grammar: GrammarState | None = None
+    # Its LoRA adapter (runner/lora), None for the base model.
+    lora: object | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -61,10 +64,13 @@ class ModelRunner:
         decode_graphs: tuple[int, int] | None = None,
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        lora: LoRAManager | None = None,
     ) -> None:
         """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
-        decode-only steps (CUDA with the Triton backend only; ignored elsewhere)."""
+        decode-only steps (CUDA with the Triton backend only; ignored elsewhere). `lora`
+        serves adapters (its wrappers are installed on `model` already)."""
         self.model, self.cfg = model, cfg
+        self.lora = lora
         # Speculative decoding: drafts proposed right after sampling, verified next step.
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
@@ -115,6 +121,7 @@ class ModelRunner:
                 new.sampling_params,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                lora=new.lora,
             )
             if new.grammar is not None:
                 self.requests[new.req_id].grammar = _grammar_state(new)
@@ -248,7 +255,9 @@ class ModelRunner:
         reqs = [self.requests[rid] for rid in so.num_scheduled_tokens]
         num_new = list(so.num_scheduled_tokens.values())
         fill = self._fill_from_device(fills)
-        if self.graphs is not None and self.graphs.fits(num_new):
+        # The graphs were captured without adapters: a step with one runs eagerly.
+        adapted = self.lora is not None and self.lora.begin_step([r.lora for r in reqs], num_new)
+        if not adapted and self.graphs is not None and self.graphs.fits(num_new):
             return self.graphs.run(input_ids, positions, [r.block_ids for r in reqs], fill)
         meta = self.attn_backend.build_metadata(
             [r.num_computed_tokens for r in reqs],
@@ -260,7 +269,11 @@ class ModelRunner:
         ids = to_device(input_ids, self.device)
         if fill is not None:
             fill(ids)
-        return self.model(ids, to_device(positions, self.device), self.kv_caches, meta)
+        try:
+            return self.model(ids, to_device(positions, self.device), self.kv_caches, meta)
+        finally:
+            if adapted:
+                self.lora.end_step()  # type: ignore[union-attr]
 
     def _fill_from_device(
         self, fills: list[tuple[int, int]]

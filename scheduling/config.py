@@ -28,12 +28,21 @@ class SchedulerConfig:
     # Waiting requests beyond this are refused at add time (0 = unbounded); the API maps
     # the refusal to 429.
     max_waiting: int = 0
+    # Most distinct LoRA adapters among running requests (the runner's resident slots);
+    # 0 = no limit (no adapters served). A waiting request whose adapter would exceed it
+    # waits; requests behind it still get in.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("long_prefill_token_threshold", "num_lookahead_tokens", "max_waiting"):
+        for name in (
+            "long_prefill_token_threshold",
+            "num_lookahead_tokens",
+            "max_waiting",
+            "max_loras",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.watermark < 1:

@@ -23,6 +23,8 @@ class NewRequestData:
     num_computed_tokens: int
     # The compiled grammar the output obeys, or None (the runner builds its matcher).
     grammar: object | None = None
+    # Its LoRA adapter (runner/lora's LoRAAdapter), or None for the base model.
+    lora: object | None = None
 
 
 @dataclass(slots=True)

@@ -82,6 +82,11 @@ class Request:
     priority: int = 0
     slo: SLO | None = None
     cache_salt: str | None = None
+    # The LoRA adapter it runs with, None for the base model: `lora_id` (its name and a
+    # digest of its weights) keys the prefix cache and the --max-loras count; `lora` is the
+    # adapter itself, opaque here (runner/lora/ holds the weights).
+    lora_id: str | None = None
+    lora: object | None = None
     # The compiled grammar its output must obey (opaque here: grammars/ and the runner use
     # it). None while WAITING_FOR_GRAMMAR, and for unconstrained requests.
     grammar: object | None = None

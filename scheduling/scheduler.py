@@ -157,6 +157,8 @@ class Scheduler:
         now: float,
     ) -> bool:
         """Move `req` into the running set if it fits, preempting lower-ranked running ones."""
+        if not self._lora_slot_free(req):
+            return True  # it waits for an adapter slot; others may still get in
 
         def preempt_lower() -> bool:
             if len(running) <= ri or not rank < ranks[running[-1].request_id]:
@@ -193,6 +195,14 @@ class Scheduler:
             req.first_scheduled_time = now
         step.add_new(req, num_tokens, self.kv.get_block_ids(req.request_id))
         return True
+
+    def _lora_slot_free(self, req: Request) -> bool:
+        """Whether `req`'s adapter is running already or one of `max_loras` slots is free."""
+        limit = self.config.max_loras
+        if req.lora_id is None or not limit:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id is not None}
+        return req.lora_id in running or len(running) < limit
 
     def _free_slots(self, req: Request) -> int:
         """Token slots `req` could still use: its blocks' room plus every free block."""

@@ -25,6 +25,7 @@ class StepBuilder:
                 block_ids=block_ids,
                 num_computed_tokens=req.num_computed_tokens,
                 grammar=req.grammar,
+                lora=req.lora,
             )
         )
         self._take(req, num_tokens)

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from daemon.engine.client import EngineStats
+from daemon.engine.client import AdapterInfo, EngineStats
 from daemon.engine.engine import Engine
+from daemon.engine.lora import load_at_run_time
 from daemon.engine.outputs import Delta
 from runner.device_queue import PendingOutput
 from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
@@ -132,8 +133,9 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request now; iterate the returned stream for its deltas.
 
-        `options` are Engine.add_request's (request_id, priority, slo, cache_salt). Raises
-        ValueError (bad input) or QueueFullError (come back later) right here.
+        `options` are Engine.add_request's (request_id, priority, slo, cache_salt, grammar,
+        lora). Raises ValueError (bad input), LookupError (no such adapter) or QueueFullError
+        (come back later) right here.
         """
         self.start()
         rid = self.engine.add_request(prompt, params, **options)
@@ -152,6 +154,19 @@ class AsyncEngine:
                 yield delta
         finally:
             stream.close()
+
+    def adapters(self) -> list[AdapterInfo]:
+        return self.engine.adapters()
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        loras = self.engine.loras if self.info.lora_runtime_updates else None
+        return await load_at_run_time(loras, self.info.name, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.engine.loras is None:
+            raise LookupError(f"the LoRA adapter {name!r} does not exist")
+        self.engine.loras.remove(name)
+        log.info("LoRA adapter %s unloaded", name)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

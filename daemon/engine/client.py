@@ -29,6 +29,18 @@ class ModelInfo:
     max_waiting: int = 0
     # A token id the warm-up request may send (EOS when the model has one).
     warmup_token_id: int = 0
+    # Whether LoRA adapters may be loaded and unloaded at run time.
+    lora_runtime_updates: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A LoRA adapter served over the model; requests name it by `model`."""
+
+    name: str
+    # The file or directory it was read from.
+    path: str
+    rank: int
 
 
 @dataclass(slots=True)
@@ -65,8 +77,9 @@ class DeltaStream(Protocol):
 class EngineClient(Protocol):
     """An engine as the API sees it: add a request, stream its deltas, abort, read load.
 
-    `add_request` raises ValueError (bad input; the message starts with the field name) or
-    scheduling.QueueFullError (come back later) at once, before any delta exists.
+    `add_request` raises ValueError (bad input; the message starts with the field name),
+    LookupError (its `lora` option names no served adapter) or scheduling.QueueFullError
+    (come back later) at once, before any delta exists.
     """
 
     info: ModelInfo
@@ -78,6 +91,18 @@ class EngineClient(Protocol):
     ) -> DeltaStream: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters served now (empty when LoRA is off)."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Serve one more adapter; ValueError names a bad name or file (nothing changes)."""
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (requests already using it finish); LookupError if unknown."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

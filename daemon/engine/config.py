@@ -75,6 +75,17 @@ class EngineConfig:
         "give a request fewer drafts while its drafts keep being rejected (verifying costs "
         "forward rows; on CPU that is not free)",
     )
+    lora_modules: tuple[str, ...] = opt(
+        (),
+        "LoRA adapters to serve over the model, each name=path (a PEFT directory with "
+        "adapter_config.json + adapter_model.safetensors, or a llama.cpp GGUF LoRA file); a "
+        "request names one by `model`",
+    )
+    max_loras: int = opt(4, "LoRA adapters resident at once (running requests use at most these)")
+    max_lora_rank: int = opt(16, "highest LoRA rank an adapter may have")
+    enable_lora_runtime_updates: bool = opt(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)"
+    )
     threads: int | None = opt(
         None,
         "most torch intra-op threads (default: every core this process may use)",

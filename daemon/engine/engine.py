@@ -16,17 +16,19 @@ import torch
 
 from daemon.engine import speculative
 from daemon.engine.admission import check_prompt, check_vocab
-from daemon.engine.client import EngineStats, ModelInfo
+from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo
 from daemon.engine.config import EngineConfig, default_threads
 from daemon.engine.grammar_requests import GrammarRequests
 from daemon.engine.kv_sizing import num_kv_blocks, uses_cuda_graphs
 from daemon.engine.loaded_model import LoadedModel, pick_device
+from daemon.engine.lora import adapter_info, lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
 from grammars import GrammarSpec
 from kvcache import KVCacheManager
 from plugins import load_policy
 from runner.device_queue import PendingOutput
+from runner.lora import LoRARegistry, UnknownAdapterError
 from runner.model_runner import ModelRunner
 from runner.thread_governor import ThreadGovernor
 from scheduling import (
@@ -60,6 +62,14 @@ class Engine:
         )
         self.model_name = loaded.name
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        # The adapters served by name; None when LoRA is off (nothing installed). Set up
+        # before the KV cache is sized: the resident slots take device memory too.
+        self.loras: LoRARegistry | None = None
+        lora_manager = None
+        if lora_enabled(config):
+            self.loras, lora_manager = setup_lora(
+                self.model, self.model_config, self.model_name, config, self.device, self.dtype
+            )
         num_blocks = num_kv_blocks(
             config, self.model, self.model_config, self.device, self.dtype, max_model_len
         )
@@ -72,6 +82,7 @@ class Engine:
             max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_waiting=config.max_waiting,
+            max_loras=config.max_loras if self.loras is not None else 0,
         )
         self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
         self.speculative = speculative.speculative_config(config)
@@ -87,6 +98,7 @@ class Engine:
             (config.max_num_seqs, max_model_len) if graphs else None,
             speculative.build_proposer(self.speculative),
             self.speculative.num_speculative_tokens,
+            lora_manager,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
@@ -96,6 +108,7 @@ class Engine:
             self.model_config.vocab_size,
             config.max_waiting or 0,
             self.eos_token_id or 0,
+            config.enable_lora_runtime_updates,
         )
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
@@ -107,7 +120,7 @@ class Engine:
         )
         log.info(
             "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
-            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s",
+            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s, LoRA %s",
             self.model_name,
             self.model_config.architecture,
             self.device,
@@ -119,6 +132,10 @@ class Engine:
             os.environ.get("OMP_WAIT_POLICY", "unset"),
             "on" if self.governor else "off",
             speculative.describe(self.speculative),
+            f"{len(self.loras)} adapter(s), {config.max_loras} slots of rank <= "
+            f"{config.max_lora_rank}"
+            if self.loras is not None
+            else "off",
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -139,9 +156,16 @@ class Engine:
         slo: SLO | None = None,
         cache_salt: str | None = None,
         grammar: GrammarSpec | None = None,
+        lora: str | None = None,
     ) -> str:
-        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled."""
+        """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled.
+        `lora` names a served adapter (UnknownAdapterError if there is none of that name)."""
         params = params or SamplingParams()
+        adapter = None
+        if lora is not None:
+            if self.loras is None:
+                raise UnknownAdapterError(f"the model {lora!r} does not exist")
+            adapter = self.loras.get(lora)
         if grammar is not None and params.ignore_eos:
             raise ValueError("ignore_eos: cannot be combined with structured output")
         prompt_ids = self.tokenize(prompt)
@@ -157,6 +181,8 @@ class Engine:
             priority=priority,
             slo=slo,
             cache_salt=cache_salt,
+            lora_id=adapter.lora_id if adapter else None,
+            lora=adapter,
         )
         if grammar is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -165,6 +191,9 @@ class Engine:
             self.grammars.submit(req, grammar)
         self.outputs.add(request_id, self.tokenizer, prompt_ids, params)
         return request_id
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [adapter_info(a) for a in self.loras or ()]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -312,16 +341,19 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         grammars: Sequence[GrammarSpec | None] | None = None,
+        loras: Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Run `prompts` to completion together; results in prompt order.
 
-        `params` and `grammars` may be one per prompt.
+        `params`, `grammars` and `loras` (adapter names, None for the base) may be one per
+        prompt.
         """
         per_params = params if isinstance(params, Sequence) else [params] * len(prompts)
         per_grammar = grammars if grammars is not None else [None] * len(prompts)
+        per_lora = loras if loras is not None else [None] * len(prompts)
         ids = [
-            self.add_request(p, sp, grammar=g)
-            for p, sp, g in zip(prompts, per_params, per_grammar, strict=True)
+            self.add_request(p, sp, grammar=g, lora=lora)
+            for p, sp, g, lora in zip(prompts, per_params, per_grammar, per_lora, strict=True)
         ]
         results = {rid: Completion(rid) for rid in ids}
         # Offline, the batch starts together once its grammars are compiled: the steps

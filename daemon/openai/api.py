@@ -21,6 +21,7 @@ from daemon.openai.errors import (
     json_response,
 )
 from daemon.openai.extra_endpoints import ExtraEndpoints, read_json
+from daemon.openai.lora import LoRAEndpoints
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
 from daemon.openai.overload import CapacityEstimate
@@ -76,6 +77,8 @@ class APIServer:
         # Tool calls: whether the chat template shows tools, and how "auto" reads calls.
         self.renders_tools = tokenizer is not None and template_renders_tools(tokenizer)
         self.tool_parser: ToolParser = load_tool_parser(options.tool_parser)
+        # `model` names the base or one of its LoRA adapters.
+        self.lora = LoRAEndpoints(engine, model_name, self.model_card)
 
     def app(self) -> web.Application:
         opts = self.options
@@ -92,8 +95,9 @@ class APIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
+        self.lora.register(app)
         ExtraEndpoints(
-            self.model_card,
+            self.lora.card,
             self.tokenizing,
             self.engine.info.vocab_size,
             self.engine.info.max_model_len,
@@ -121,7 +125,7 @@ class APIServer:
         }
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self.model_card()]})
+        return json_response({"object": "list", "data": self.lora.cards()})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         body = self.metrics.render(self.engine.stats())
@@ -145,13 +149,7 @@ class APIServer:
             )
         body = await read_json(request)
         req = parse_request(body, chat)
-        if req.model not in (None, self.model_name):
-            raise APIError(
-                404,
-                f"model: {req.model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                kind="not_found_error",
-            )
+        lora = self.lora.resolve(req.model)
         constraint, tools = parse_output_rules(body, chat)
         if chat:
             messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
@@ -160,7 +158,7 @@ class APIServer:
             prompts = await self.tokenizing.prompt_ids(req.prompts)
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
-        choices = self._add(req, prompts, constraint.spec if constraint else None)
+        choices = self._add(req, prompts, constraint.spec if constraint else None, lora)
         headers = _warning_headers(constraint)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
@@ -205,6 +203,7 @@ class APIServer:
         req: GenerationRequest,
         prompts: list[list[int]],
         grammar: GrammarSpec | None = None,
+        lora: str | None = None,
     ) -> list[Choice]:
         max_len = self.engine.info.max_model_len
         max_waiting = self.engine.info.max_waiting
@@ -239,6 +238,7 @@ class APIServer:
                         slo=req.slo,
                         cache_salt=req.cache_salt,
                         grammar=grammar,
+                        lora=lora,
                     )
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
         except QueueFullError as e:
@@ -252,6 +252,9 @@ class APIServer:
         except ValidationError as e:
             self._close(choices)
             raise APIError(400, str(e), e.param) from None
+        except LookupError as e:  # its adapter was unloaded since `resolve`
+            self._close(choices)
+            raise APIError(404, f"model: {e}", "model", kind="not_found_error") from None
         except ValueError as e:
             self._close(choices)
             param = str(e).split(":", 1)[0] if ":" in str(e) else None

@@ -29,8 +29,8 @@ async def read_json(request: web.Request) -> Any:
 class ExtraEndpoints:
     """Model lookup, tokenizer round trips and the OpenAPI document."""
 
-    def __init__(self, model_card: Any, tokenizing: Tokenizing, vocab_size: int, max_len: int):
-        self.model_card = model_card  # () -> the card of the served model
+    def __init__(self, find_model: Any, tokenizing: Tokenizing, vocab_size: int, max_len: int):
+        self.find_model = find_model  # model id -> its card (the base or an adapter), or None
         self.tokenizing = tokenizing
         self.vocab_size = vocab_size
         self.max_len = max_len
@@ -43,8 +43,8 @@ class ExtraEndpoints:
         app.router.add_get("/openapi.json", self.openapi)
 
     async def model(self, request: web.Request) -> web.Response:
-        card = self.model_card()
-        if request.match_info["model_id"] != card["id"]:
+        card = self.find_model(request.match_info["model_id"])
+        if card is None:
             raise APIError(
                 404,
                 f"model: {request.match_info['model_id']!r} does not exist",
@@ -64,7 +64,7 @@ class ExtraEndpoints:
         except ValidationError as e:
             raise APIError(400, str(e), e.param) from None
         model = body.get("model")
-        if model is not None and model != self.model_card()["id"]:
+        if model is not None and self.find_model(model) is None:
             raise APIError(404, f"model: {model!r} does not exist", "model", kind="not_found_error")
         return body
 

@@ -48,7 +48,7 @@ class ResponseBuilder:
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": req.model or self.model_name,
             "choices": out,
             "usage": self.usage(choices),
         }
@@ -75,7 +75,7 @@ class ResponseBuilder:
                 "id": rid,
                 "object": kind,
                 "created": created,
-                "model": self.model_name,
+                "model": req.model or self.model_name,
                 "choices": items,
                 **extra,
             }

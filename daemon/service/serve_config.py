@@ -74,7 +74,23 @@ def options() -> list[tuple[str, dataclasses.Field[Any], str]]:
 
 def _converter(f: dataclasses.Field[Any]) -> Any:
     kind = str(f.type).replace(" | None", "")
-    return {"int": int, "float": float, "bool": _parse_bool, "str": str}[kind]
+    return {
+        "int": int,
+        "float": float,
+        "bool": _parse_bool,
+        "str": str,
+        "tuple[str, ...]": _parse_strings,
+    }[kind]
+
+
+def _parse_strings(value: str | Sequence[str]) -> tuple[str, ...]:
+    """A list option: repeated words on the command line, a TOML list, or one
+    whitespace-separated string (the environment)."""
+    if isinstance(value, str):
+        return tuple(value.split())
+    if not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def _parse_bool(value: str | bool) -> bool:
@@ -106,6 +122,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
                 default=argparse.SUPPRESS,
             )
+        elif str(f.type) == "tuple[str, ...]":
+            parser.add_argument(flag, nargs="+", help=help_text, default=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, type=_converter(f), help=help_text, default=argparse.SUPPRESS)
 

@@ -235,6 +235,20 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:5]}")
 
+    def lora_targets(self) -> dict[str, tuple[str, slice]]:
+        """The HF module names a LoRA adapter may target -> (the module of a decoder layer
+        that computes it, its output rows there): q/k/v share qkv_proj, gate/up gate_up_proj."""
+        cfg = self.config
+        hidden = slice(0, cfg.hidden_size)
+        targets = {"o_proj": ("self_attn.o_proj", hidden), "down_proj": ("mlp.down_proj", hidden)}
+        for packed, names in (
+            ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+        ):
+            for shard, name in enumerate(names):
+                targets[name] = (packed, self._shard_rows(packed, shard))
+        return targets
+
     def _shard_rows(self, target: str, shard: int) -> slice:
         cfg = self.config
         if "qkv_proj" in target:
