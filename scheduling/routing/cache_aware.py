@@ -4,10 +4,14 @@ replica is much busier than the least-loaded one.
 ```
 hits[r]  = leading prompt blocks replica r holds (CacheMirror, from its KV events)
 holder   = argmax hits (ties: lower load score, then lower index)
-hits == 0                                     -> least loaded        "no_hit"
+hits == 0                                     -> most room           "no_hit"
 holder.score - least.score > overload_margin  -> least loaded        "overloaded_holder"
 otherwise                                     -> holder              "cache_hit"
 ```
+"Most room": among replicas within overload_margin of the least-loaded one, the one whose
+mirror holds the fewest blocks (as SGLang's router sends a miss to its smallest tree). A
+new prefix then lands where it evicts least, so prefixes spread over the replicas' caches
+instead of piling onto whichever was idle when they first came.
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ class CacheAwareRouter:
         holder = max(candidates, key=lambda r: (hits[r.index], -r.score, -r.index))
         least = least_loaded(candidates)
         if hits[holder.index] == 0:
-            chosen, reason = least, "no_hit"
+            near = [r for r in candidates if r.score - least.score <= self.overload_margin]
+            chosen = min(near, key=lambda r: (self.mirror.num_blocks(r.index), r.score, r.index))
+            reason = "no_hit"
         elif holder.score - least.score > self.overload_margin:
             chosen, reason = least, "overloaded_holder"
         else:
