@@ -190,3 +190,20 @@ def test_mirror_equals_each_replicas_cache_under_forced_evictions():
         for r in replicas:
             assert mirror.hashes(r.load.index) == r.kv.cached_block_hashes()
     assert sum(r.kv.pool.num_evictions for r in replicas) > 10
+
+
+def test_a_miss_goes_where_the_cache_has_most_room_unless_that_is_too_busy():
+    replicas = [FakeReplica(i) for i in range(3)]
+    router = CacheAwareRouter(overload_margin=4, block_size=BLOCK)
+    replicas[0].serve(prompt_with(5, 6))
+    replicas[2].serve(prompt_with(6, 2))
+    for r in replicas:
+        router.on_kv_events(r.load.index, r.kv.drain_events())
+    new = prompt_with(7, 4)
+    replicas[1].load.running = 4  # within the margin of the least loaded (score 0)
+    d = router.pick(route(new), [r.load for r in replicas])
+    assert (d.index, d.reason) == (1, "no_hit")
+    replicas[1].load.waiting = 0
+    replicas[1].load.running = 5  # past it: the emptier of the other two
+    d = router.pick(route(new), [r.load for r in replicas])
+    assert (d.index, d.reason) == (2, "no_hit")
