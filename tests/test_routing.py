@@ -1,10 +1,13 @@
 """Routers against a fake replica set: no model, real KV managers where caches matter."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from conftest import make_request
 from kvcache import KVCacheManager, prefix_block_hashes
-from plugins import PluginError, UnknownPluginError, load_router, router_names
+from plugins import ROUTER_GROUP, PluginError, UnknownPluginError, load_router, router_names
 from scheduling.routing import (
     CacheAwareRouter,
     CacheMirror,
@@ -15,6 +18,7 @@ from scheduling.routing import (
 )
 
 BLOCK = 4
+EXAMPLE = Path(__file__).resolve().parents[1] / "plugins" / "examples" / "least_kv"
 
 
 class FakeReplica:
@@ -207,3 +211,23 @@ def test_a_miss_goes_where_the_cache_has_most_room_unless_that_is_too_busy():
     replicas[1].load.running = 5  # past it: the emptier of the other two
     d = router.pick(route(new), [r.load for r in replicas])
     assert (d.index, d.reason) == (2, "no_hit")
+
+
+def test_the_example_third_party_router_is_discovered_once_installed(tmp_path, monkeypatch):
+    assert "least_kv" not in router_names()
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    # What pip would leave behind: a dist-info folder with entry_points.txt, on sys.path.
+    info = tmp_path / "headrace_least_kv-0.1.0.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: headrace_least_kv\n")
+    info.joinpath("entry_points.txt").write_text(
+        f"[{ROUTER_GROUP}]\nleast_kv = headrace_least_kv:LeastKVRouter\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    router = load_router("least_kv")
+    replicas = loads(3)
+    replicas[0].kv_usage, replicas[1].kv_usage, replicas[2].kv_usage = 0.5, 0.2, 0.9
+    assert router.pick(route([1]), replicas).index == 1
+    replicas[1].healthy = False
+    assert router.pick(route([1]), replicas).index == 0
+    monkeypatch.delitem(sys.modules, "headrace_least_kv", raising=False)
