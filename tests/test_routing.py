@@ -60,6 +60,9 @@ def test_builtins_are_registered_and_unknown_names_list_them():
         router = load_router(name)
         assert isinstance(router, Router) and router.name == name
     assert load_router("cache_aware", overload_margin=3).overload_margin == 3
+    # The front door passes the replicas' KV layout to whichever router it loads.
+    for name in ("round_robin", "least_load", "cache_aware"):
+        assert load_router(name, block_size=8, hash_algo="sha256").block_size == 8
     with pytest.raises(UnknownPluginError, match=r"installed: .*cache_aware.*least_load"):
         load_router("nearest")
 

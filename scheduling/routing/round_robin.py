@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from scheduling.routing.router import (
     LoadOnlyRouter,
@@ -20,7 +20,8 @@ class RoundRobinRouter(LoadOnlyRouter):
 
     name: ClassVar[str] = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, **kv_layout: Any) -> None:
+        super().__init__(**kv_layout)
         self._last = -1
 
     def pick(self, req: RouteRequest, replicas: Sequence[ReplicaLoad]) -> RouteDecision:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
-from kvcache import BlockHash, KVEvent
+from kvcache import DEFAULT_BLOCK_SIZE, BlockHash, KVEvent
 
 # Bumped when the Router protocol changes incompatibly; plugins declare the one they target.
 ROUTER_API_VERSION = 1
@@ -72,7 +72,10 @@ class RouteDecision:
 class Router(Protocol):
     """Picks a replica per request.
 
-    Contract: `pick` chooses among the replicas with `healthy` set and raises
+    Contract: the front door constructs every router (plugins.load_router) with the
+    replicas' KV layout as keyword options, `block_size` and `hash_algo`, so a router that
+    does not use them must still accept them (LoadOnlyRouter does).
+    `pick` chooses among the replicas with `healthy` set and raises
     NoHealthyReplicaError when there is none; it runs on the front door's event loop, so
     it must be quick (no I/O). `on_kv_events` gets each replica's events in the order the
     replica drained them; `on_replica_reset` says the replica restarted with an empty cache.
@@ -93,6 +96,11 @@ class LoadOnlyRouter:
 
     name: ClassVar[str] = "base"
     api_version: ClassVar[int] = ROUTER_API_VERSION
+
+    def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, hash_algo: str = "sha256") -> None:
+        # The replicas' KV layout: unused by load-only routers, accepted per the contract.
+        self.block_size = block_size
+        self.hash_algo = hash_algo
 
     def pick(self, req: RouteRequest, replicas: Sequence[ReplicaLoad]) -> RouteDecision:
         raise NotImplementedError
