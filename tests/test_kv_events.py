@@ -70,14 +70,15 @@ def test_a_hit_extends_the_chain_with_its_parent_named():
     assert kv.drain_events() == [BlockStored((b.block_hashes[2],), b.block_hashes[1])]
 
 
-@pytest.mark.parametrize("salt", [None, "tenant-a"])
+@pytest.mark.parametrize(("salt", "lora_id"), [(None, None), ("tenant-a", None), ("t", "ad:1f")])
 @pytest.mark.parametrize("hash_algo", ["sha256", "builtin"])
-def test_prefix_block_hashes_equal_the_managers(salt, hash_algo):
+def test_prefix_block_hashes_equal_the_managers(salt, lora_id, hash_algo):
     prompt = [(i * 37) % 500 for i in range(23)]
     kv = KVCacheManager(16, BLOCK, hash_algo=hash_algo)
     req = make_request(prompt, cache_salt=salt)
+    req.lora_id = lora_id
     kv.allocate_slots(req, len(prompt))
-    ours = prefix_block_hashes(prompt, BLOCK, hash_algo, request_extra_keys(salt))
+    ours = prefix_block_hashes(prompt, BLOCK, hash_algo, request_extra_keys(salt, lora_id))
     assert ours == req.block_hashes and len(ours) == 5
     assert prefix_block_hashes(prompt, BLOCK, hash_algo) != (ours if salt else [])
     with pytest.raises(TypeError, match="request_extra_keys"):
