@@ -10,6 +10,7 @@ from typing import Protocol
 from kvcache.block import KVCacheBlock
 from kvcache.block_hash import BlockHash, get_hash_fn, hash_request_blocks
 from kvcache.block_pool import BlockPool
+from kvcache.events import EventRecordingBlockPool, KVEvent
 
 
 class KVRequest(Protocol):
@@ -62,13 +63,17 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
+        record_events: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = get_hash_fn(hash_algo)
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # Recording is a different pool class, so an engine without a router pays nothing.
+        self.record_events = record_events
+        pool_cls = EventRecordingBlockPool if record_events else BlockPool
+        self.pool = pool_cls(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are already registered in the cache map.
         self._num_cached_blocks: dict[str, int] = {}
@@ -177,6 +182,16 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def drain_events(self) -> list[KVEvent]:
+        """The KV events since the last drain (record_events=True), each handed out once."""
+        if not isinstance(self.pool, EventRecordingBlockPool):
+            raise RuntimeError("drain_events: this KVCacheManager has record_events=False")
+        return self.pool.drain_events()
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """Every hash the prefix cache holds now (what replaying the events must give)."""
+        return set(self.pool.cached)
 
     def _update_hashes(self, req: KVRequest) -> None:
         hash_request_blocks(

@@ -1,9 +1,10 @@
-"""Plugin discovery: policies, model architectures and speculative proposers."""
+"""Plugin discovery: policies, routers, model architectures and speculative proposers."""
 
 from plugins.registry import (
     MODEL_GROUP,
     POLICY_GROUP,
     PROPOSER_GROUP,
+    ROUTER_GROUP,
     PluginError,
     UnknownPluginError,
     installed,
@@ -11,14 +12,17 @@ from plugins.registry import (
     load_plugin,
     load_policy,
     load_proposer,
+    load_router,
     policy_names,
     proposer_names,
+    router_names,
 )
 
 __all__ = [
     "MODEL_GROUP",
     "POLICY_GROUP",
     "PROPOSER_GROUP",
+    "ROUTER_GROUP",
     "PluginError",
     "UnknownPluginError",
     "installed",
@@ -26,6 +30,8 @@ __all__ = [
     "load_plugin",
     "load_policy",
     "load_proposer",
+    "load_router",
     "policy_names",
     "proposer_names",
+    "router_names",
 ]

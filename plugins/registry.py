@@ -1,4 +1,4 @@
-"""Entry-point discovery for policies, model architectures and speculative proposers.
+"""Entry-point discovery for policies, routers, model architectures and speculative proposers.
 
 Each kind is checked against the plugin API version it declares."""
 
@@ -8,10 +8,12 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from scheduling.policy import POLICY_API_VERSION, Policy
+from scheduling.routing.router import ROUTER_API_VERSION, Router
 
 POLICY_GROUP = "headrace.policies"
 MODEL_GROUP = "headrace.models"
 PROPOSER_GROUP = "headrace.proposers"
+ROUTER_GROUP = "headrace.routers"
 
 
 class PluginError(RuntimeError):
@@ -70,6 +72,19 @@ def load_policy(name: str, **options: Any) -> Policy:
     if not isinstance(policy, Policy):
         raise PluginError(f"policy {name!r} does not implement rank/admit/observe")
     return policy
+
+
+def router_names() -> list[str]:
+    return sorted(installed(ROUTER_GROUP))
+
+
+def load_router(name: str, **options: Any) -> Router:
+    """Instantiate the data-parallel router registered as `name` with `options`."""
+    cls = load_plugin(ROUTER_GROUP, name, ROUTER_API_VERSION, "router")
+    router = cls(**options)
+    if not isinstance(router, Router):
+        raise PluginError(f"router {name!r} does not implement pick/on_kv_events/on_replica_reset")
+    return router
 
 
 def proposer_names() -> list[str]:
