@@ -104,6 +104,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self._update_hashes(req)
+        if self.req_to_blocks.get(req.request_id):
+            return [], 0  # it holds blocks already (a KV connector filled them)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in req.block_hashes[:max_blocks]:

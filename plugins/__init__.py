@@ -1,6 +1,8 @@
-"""Plugin discovery: policies, routers, model architectures and speculative proposers."""
+"""Plugin discovery: policies, routers, model architectures, speculative proposers, KV
+connectors."""
 
 from plugins.registry import (
+    KV_CONNECTOR_GROUP,
     MODEL_GROUP,
     POLICY_GROUP,
     PROPOSER_GROUP,
@@ -8,6 +10,8 @@ from plugins.registry import (
     PluginError,
     UnknownPluginError,
     installed,
+    kv_connector_names,
+    load_kv_connector,
     load_model_class,
     load_plugin,
     load_policy,
@@ -19,6 +23,7 @@ from plugins.registry import (
 )
 
 __all__ = [
+    "KV_CONNECTOR_GROUP",
     "MODEL_GROUP",
     "POLICY_GROUP",
     "PROPOSER_GROUP",
@@ -26,6 +31,8 @@ __all__ = [
     "PluginError",
     "UnknownPluginError",
     "installed",
+    "kv_connector_names",
+    "load_kv_connector",
     "load_model_class",
     "load_plugin",
     "load_policy",

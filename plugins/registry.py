@@ -1,4 +1,5 @@
-"""Entry-point discovery for policies, routers, model architectures and speculative proposers.
+"""Entry-point discovery for policies, routers, model architectures, speculative proposers
+and KV connectors.
 
 Each kind is checked against the plugin API version it declares."""
 
@@ -14,6 +15,7 @@ POLICY_GROUP = "headrace.policies"
 MODEL_GROUP = "headrace.models"
 PROPOSER_GROUP = "headrace.proposers"
 ROUTER_GROUP = "headrace.routers"
+KV_CONNECTOR_GROUP = "headrace.kv_connectors"
 
 
 class PluginError(RuntimeError):
@@ -100,3 +102,25 @@ def load_proposer(name: str, config: Any) -> Any:
     if not isinstance(proposer, Proposer):
         raise PluginError(f"speculative proposer {name!r} does not implement propose(requests)")
     return proposer
+
+
+def kv_connector_names() -> list[str]:
+    return sorted(installed(KV_CONNECTOR_GROUP))
+
+
+def load_kv_connector(name: str, ctx: Any) -> Any:
+    """Build the KV connector registered as `name` for an engine (`ctx`: KVConnectorContext)."""
+    from runner.kv_connectors import (
+        KV_CONNECTOR_API_VERSION,
+        KVConnectorScheduler,
+        KVConnectorWorker,
+    )
+
+    cls = load_plugin(KV_CONNECTOR_GROUP, name, KV_CONNECTOR_API_VERSION, "KV connector")
+    connector = cls(ctx)
+    if not isinstance(getattr(connector, "scheduler", None), KVConnectorScheduler) or not (
+        isinstance(getattr(connector, "worker", None), KVConnectorWorker)
+        and callable(getattr(connector, "close", None))
+    ):
+        raise PluginError(f"KV connector {name!r} lacks a scheduler side, a runner side or close()")
+    return connector

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from grammars import GrammarState, allocate_bitmask
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy, to_device
 from runner.fault_isolation import sample_isolated, sample_one_each
+from runner.kv_connectors import KVConnectorWorker
 from runner.lora import LoRAManager
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
@@ -65,6 +66,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         lora: LoRAManager | None = None,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
         decode-only steps (CUDA with the Triton backend only; ignored elsewhere). `lora`
@@ -102,6 +104,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Ids held back while a request is short of min_tokens (unless it ignores EOS).
         self.eos_ids = sorted(set(cfg.eos_token_ids))
+        # Runner side of a KV connector: loads committed before the forward, saves after it.
+        self.kv_connector = kv_connector
+        self._block_tables = _BlockTables(self.requests)
 
     def _apply_deltas(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -111,6 +116,8 @@ class ModelRunner:
                 self.draft_length.drop(rid)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
+        if self.kv_connector is not None and so.finished_req_ids:
+            self.kv_connector.discard(so.finished_req_ids)
         if self.device_tokens is not None:
             for rid in (*so.finished_req_ids, *so.preempted_req_ids):
                 self.device_tokens.forget(rid)
@@ -141,6 +148,8 @@ class ModelRunner:
         step's ids (call it from any thread); the runner itself never waits for them.
         """
         self._apply_deltas(so)
+        if self.kv_connector is not None:
+            self.kv_connector.commit(so, self._block_tables, self.kv_caches)
         if so.is_empty:
             return RunnerOutput()
         started = time.perf_counter()
@@ -176,6 +185,8 @@ class ModelRunner:
         try:
             try:
                 hidden = self._forward(so, input_ids, positions, fills)
+                if self.kv_connector is not None and so.kv_connector_meta is not None:
+                    self.kv_connector.save(so.kv_connector_meta, self._block_tables, self.kv_caches)
             finally:
                 # Advanced even when the forward fails (its metadata holds the old values),
                 # so the counters stay where the scheduler already has them.
@@ -385,3 +396,19 @@ def _grammar_state(new: NewRequestData) -> GrammarState:
     if state.accept_tokens(output) != len(output):
         log.warning("request %s: its kept output does not follow its grammar", new.req_id)
     return state
+
+
+class _BlockTables(Mapping[str, list[int]]):
+    """Each request's block table, as the KV connector reads it."""
+
+    def __init__(self, requests: dict[str, RunnerRequest]) -> None:
+        self._requests = requests
+
+    def __getitem__(self, req_id: str) -> list[int]:
+        return self._requests[req_id].block_ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._requests)
+
+    def __len__(self) -> int:
+        return len(self._requests)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.connectors import KVConnectorMeta
 from scheduling.sampling_params import SamplingParams
 from scheduling.spec_stats import SpecDecodeStats
 
@@ -73,6 +74,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that reach a sampling position this step (each holds one output placeholder).
     sampling_req_ids: set[str] = field(default_factory=set)
+    # KV connector: loads to start and blocks to save after the forward (None: no connector).
+    kv_connector_meta: KVConnectorMeta | None = None
     shape: StepShape = field(default_factory=StepShape)
 
     @property

@@ -2,6 +2,7 @@
 
 ```
 WAITING --(grammar needed)--> WAITING_FOR_GRAMMAR --(compiled)--> WAITING
+WAITING --(a KV connector supplies prompt blocks)--> WAITING_FOR_KV --(landed)--> WAITING
 WAITING --(scheduled, blocks allocated)--> RUNNING
 RUNNING --(out of KV blocks, chosen as victim)--> PREEMPTED --> (waiting queue, recompute)
 RUNNING --> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_ERROR
@@ -25,6 +26,8 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_GRAMMAR = enum.auto()
+    # Holds blocks a KV connector is filling (scheduling/kv_loads.py); not scheduled meanwhile.
+    WAITING_FOR_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

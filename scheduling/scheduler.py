@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcache import KVCacheManager
+from kvcache.connectors import KVConnectorScheduler
 from scheduling.config import SchedulerConfig
+from scheduling.kv_loads import KVLoads
 from scheduling.output import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from scheduling.policy import Decision, LoadView, Policy
 from scheduling.request import Request, RequestStatus
@@ -40,6 +42,7 @@ class Scheduler:
         kv: KVCacheManager,
         policy: Policy,
         clock: Callable[[], float] = time.monotonic,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -56,6 +59,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
+        # Prompt KV from a KV connector (disk tier, a P/D producer); inert without one.
+        self.kv_loads = KVLoads(kv_connector, kv)
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -82,6 +87,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def kv_loads_landed(self, done: dict[str, int]) -> list[str]:
+        """The KV connector's runner side filled these loads (req id -> leading blocks ready);
+        returns the ids still wanted (the others ended meanwhile)."""
+        return self.kv_loads.land(done)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -110,6 +120,7 @@ class Scheduler:
             else:
                 break
         out = step.build(self._finished_ids, self._preempted_ids)
+        out.kv_connector_meta = self.kv_loads.build_meta(step.scheduled)
         self._finished_ids, self._preempted_ids = set(), set()
         return out
 
@@ -170,8 +181,12 @@ class Scheduler:
             if not preempt_lower():
                 return False
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        reserve = self.watermark_blocks if self.running else 0
+        if self.kv_loads.try_start(req, hits, num_hit_tokens, reserve):
+            return True  # it waits for its KV without budget; the others go on
         num_tokens = self._num_tokens_wanted(req, step.budget, num_hit_tokens)
-        if not self.config.enable_chunked_prefill and num_tokens < req.num_tokens - num_hit_tokens:
+        num_computed = req.num_computed_tokens + num_hit_tokens
+        if not self.config.enable_chunked_prefill and num_tokens < req.num_tokens - num_computed:
             return False
         while (
             self.kv.allocate_slots(
@@ -179,19 +194,21 @@ class Scheduler:
                 num_tokens,
                 hits,
                 self.config.num_lookahead_tokens,
-                reserve_blocks=self.watermark_blocks if self.running else 0,
+                reserve_blocks=reserve,
             )
             is None
         ):
             if not preempt_lower():
                 return False
-        self.kv.prefix_stats.record(req.num_tokens, num_hit_tokens)
+        # Tokens a KV connector supplied count as cached too.
+        self.kv.prefix_stats.record(req.num_tokens, num_computed)
+        self.kv_loads.admitted(req)
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = num_hit_tokens
+        req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_hit_tokens
+            req.num_cached_tokens = num_computed
             req.first_scheduled_time = now
         step.add_new(req, num_tokens, self.kv.get_block_ids(req.request_id))
         return True
@@ -225,7 +242,7 @@ class Scheduler:
         load = self.load_view()
         out = []
         for req in list(self.waiting):
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            if req.status in (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_KV):
                 continue
             admission = self.policy.admit(req, load, now)
             if admission.decision is Decision.REJECT:
@@ -326,6 +343,7 @@ class Scheduler:
         if reason is not None:
             req.stop_reason = reason
         self.kv.free(req, trusted=status != RequestStatus.FINISHED_ERROR)
+        self.kv_loads.finished(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
 
@@ -350,6 +368,8 @@ class Scheduler:
         ids = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert ids == set(self.requests), "queues and request map disagree"
         assert len(ids) == len(self.running) + len(self.waiting), "request queued twice"
+        holders = self.kv_loads.holders()
         for req in self.waiting:
-            assert not self.kv.req_to_blocks.get(req.request_id), "waiting request holds blocks"
-        assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running}
+            if req.request_id not in holders:
+                assert not self.kv.req_to_blocks.get(req.request_id), "waiting request holds blocks"
+        assert set(self.kv.req_to_blocks) <= {r.request_id for r in self.running} | holders

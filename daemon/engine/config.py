@@ -86,6 +86,26 @@ class EngineConfig:
     enable_lora_runtime_updates: bool = opt(
         False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)"
     )
+    kv_connector: str = opt(
+        "none",
+        "a second source of prompt KV (entry point in headrace.kv_connectors): disk (a "
+        "persistent prefix-cache tier under the cache directory) or peer (prefill/decode "
+        "disaggregation; with --kv-role and --kv-peer); none for neither",
+    )
+    kv_role: str | None = opt(
+        None, "peer connector: producer (computes prompts, serves their KV) or consumer"
+    )
+    kv_peer: str | None = opt(
+        None,
+        "peer connector: the producer's KV address, a Unix socket path or host:port (a "
+        "producer listens there, a consumer pulls from there)",
+    )
+    kv_store_gb: float = opt(
+        4.0, "bound on the KV connector's store: the disk tier's files, a producer's RAM"
+    )
+    kv_disk_dir: str | None = opt(
+        None, "disk connector: folder of the persistent KV tier (default: <cache dir>/kv)"
+    )
     threads: int | None = opt(
         None,
         "most torch intra-op threads (default: every core this process may use)",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from daemon.engine import kv_connector as kv_connectors
 from daemon.engine import speculative
 from daemon.engine.admission import check_prompt, check_vocab
 from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo
@@ -84,7 +85,15 @@ class Engine:
             max_waiting=config.max_waiting,
             max_loras=config.max_loras if self.loras is not None else 0,
         )
-        self.scheduler = Scheduler(sched_config, self.kv, load_policy(config.policy))
+        self.kv_connector = kv_connectors.build_kv_connector(
+            config, self.model, self.model_config, self.dtype, self.device
+        )
+        self.scheduler = Scheduler(
+            sched_config,
+            self.kv,
+            load_policy(config.policy),
+            kv_connector=self.kv_connector.scheduler if self.kv_connector else None,
+        )
         self.speculative = speculative.speculative_config(config)
         graphs = uses_cuda_graphs(config, self.device)
         self.runner = ModelRunner(
@@ -99,6 +108,7 @@ class Engine:
             speculative.build_proposer(self.speculative),
             self.speculative.num_speculative_tokens,
             lora_manager,
+            self.kv_connector.worker if self.kv_connector else None,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
@@ -210,11 +220,21 @@ class Engine:
             delta = self._end_with_error(req.request_id, error)
             delta.bad_request, delta.num_prompt_tokens = error, req.num_prompt_tokens
             self._pending.append(delta)
-        return self.scheduler.schedule()
+        kv_connectors.land_loads(self.kv_connector, self.scheduler)
+        so = self.scheduler.schedule()
+        kv_connectors.start_loads(self.kv_connector, so)
+        return so
 
     def step(self) -> list[Delta]:
         so = self.schedule()
+        kv_connectors.wait_for_loads(self.kv_connector, so)
         return self.process(so, self.execute(so))
+
+    def close(self) -> None:
+        """Finish the KV connector's writes and stop its threads (a producer's server too)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         ro = self.launch(so)

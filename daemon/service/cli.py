@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as is, without the chat template"
     )
+    pd = sub.add_parser(
+        "pd-front",
+        help="prefill/decode front door: the prompt to a producer, the stream from a consumer",
+        description="Relay each completion to a producer instance (--kv-connector peer "
+        "--kv-role producer) with max_tokens 1, then to a consumer instance (--kv-role "
+        "consumer), which pulls the prompt's KV from the producer and streams the answer.",
+    )
+    pd.add_argument("--producer", required=True, help="http://host:port or unix:/path.sock")
+    pd.add_argument("--consumer", required=True, help="http://host:port or unix:/path.sock")
+    pd.add_argument("--host", default="127.0.0.1")
+    pd.add_argument("--port", type=int, default=8000)
+    pd.add_argument("--uds", help="listen on this Unix socket instead of TCP")
     from daemon.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -154,6 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from daemon.bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "pd-front":
+            from daemon.service.pd_front import run as run_front
+
+            run_front(args.producer, args.consumer, args.host, args.port, args.uds)
+            return 0
         if args.command == "serve":
             from daemon.service.server import run
 

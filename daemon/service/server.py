@@ -170,6 +170,7 @@ async def serve(config: ServeConfig) -> int:
         async_engine.abort(request_id)
     await runner.cleanup()
     await async_engine.stop()
+    engine.close()  # the KV connector's last writes, its peer server
     if profiler is not None:
         profiler.close()
     if uds_sock is not None and config.server.uds:

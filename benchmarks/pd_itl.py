@@ -1,0 +1,181 @@
+"""P/D disaggregation: decode ITL of running streams while long prompts arrive.
+
+    python benchmarks/pd_itl.py [--streams 8] [--output-len 128] [--long-len 4000]
+                                [--long-prompts 4] [--long-every 2.0] [--model PATH]
+
+Two set-ups on the same machine, each measured twice (idle: only the streams; loaded: the
+streams plus long prompts arriving every --long-every seconds):
+  colocated  one `headrace serve --threads 2`
+  P/D        a producer and a consumer (`--kv-connector peer`, --threads 1 each) behind
+             `headrace pd-front` (in this process): long prompts are computed by the
+             producer, and the consumer only pulls their KV and decodes
+ITL = gaps between a stream's SSE chunks after its first. Target: P/D loaded ITL p99
+<= 1.5x its idle p99. `--quantization none` everywhere: both P/D instances must compute
+the same KV layout (the auto choice is a start-up micro-benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from machine import cpu_description
+
+from daemon.service.pd_front import PDFrontDoor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def instance(tmp: Path, name: str, *flags: str) -> Iterator[str]:
+    """`headrace serve` on a Unix socket; yields its address once it is healthy."""
+    sock = tmp / f"{name}.sock"
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (open for the process's lifetime)
+    cmd = [sys.executable, "-m", "daemon.service.cli", "serve", "--host", "", "--uds", str(sock),
+           "--quantization", "none", "--no-thread-governor", "--served-model-name", "m",
+           "--kv-cache-memory",
+           str(512 << 20), *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(sock, proc)
+        yield f"unix:{sock}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def wait_healthy(sock: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import socket as s
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"instance exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            c = s.socket(s.AF_UNIX)
+            c.connect(str(sock))
+            c.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            if b" 200 " in c.recv(64):
+                c.close()
+                return
+            c.close()
+        time.sleep(0.5)
+    raise TimeoutError("instance did not come up")
+
+
+async def stream(session: aiohttp.ClientSession, prompt: list[int], n: int) -> list[float]:
+    """Arrival times of one streamed completion's chunks."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    times = []
+    async with session.post("http://localhost/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                times.append(time.perf_counter())
+    return times
+
+
+async def measure(address: str, args: argparse.Namespace, loaded: bool) -> list[float]:
+    """ITL gaps (s) of the streams; with `loaded`, long prompts arrive meanwhile."""
+    rng = random.Random(1)
+    connector = aiohttp.UnixConnector(address.removeprefix("unix:"))
+    # No total timeout: on a busy machine a stream can take minutes.
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        shorts = [[rng.randrange(100, 40_000) for _ in range(32)] for _ in range(args.streams)]
+        streams = [asyncio.create_task(stream(session, s, args.output_len)) for s in shorts]
+        longs = []
+        if loaded:
+            await asyncio.sleep(args.long_every)
+            for _ in range(args.long_prompts):
+                prompt = [rng.randrange(100, 40_000) for _ in range(args.long_len)]
+                longs.append(asyncio.create_task(stream(session, prompt, 1)))
+                await asyncio.sleep(args.long_every)
+        results = await asyncio.gather(*streams)
+        await asyncio.gather(*longs)
+    return [b - a for times in results for a, b in itertools.pairwise(times)]
+
+
+def p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+async def run_front(producer: str, consumer: str, sock: Path) -> web.AppRunner:
+    runner = web.AppRunner(PDFrontDoor(producer, consumer).app(), access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, str(sock)).start()
+    return runner
+
+
+async def both(address: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    return await measure(address, args, False), await measure(address, args, True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--long-len", type=int, default=4000)
+    ap.add_argument("--long-prompts", type=int, default=4)
+    ap.add_argument("--long-every", type=float, default=2.0)
+    ap.add_argument("--model", help="GGUF file or HF directory (default: embedded SmolLM2)")
+    args = ap.parse_args()
+    model = ["--model", args.model] if args.model else []
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        with instance(tmp, "colocated", "--threads", "2", *model) as address:
+            results["colocated"] = asyncio.run(both(address, args))
+        kv = str(tmp / "kv.sock")
+        peer = ["--threads", "1", "--kv-connector", "peer", "--kv-peer", kv, *model]
+        with (
+            instance(tmp, "producer", *peer, "--kv-role", "producer") as producer,
+            instance(tmp, "consumer", *peer, "--kv-role", "consumer") as consumer,
+        ):
+
+            async def pd() -> tuple[list[float], list[float]]:
+                runner = await run_front(producer, consumer, tmp / "front.sock")
+                try:
+                    return await both(f"unix:{tmp / 'front.sock'}", args)
+                finally:
+                    await runner.cleanup()
+
+            results["P/D"] = asyncio.run(pd())
+    print(cpu_description())
+    print(f"{args.streams} streams x {args.output_len} tokens; loaded: {args.long_prompts} "
+          f"prompts of {args.long_len} tokens, one every {args.long_every}s")  # fmt: skip
+    print(f"{'':10} {'idle p50':>9} {'idle p99':>9} {'load p50':>9} {'load p99':>9} {'ratio':>6}")
+    ratios = {}
+    for name, (idle, load) in results.items():
+        ratios[name] = p(load, 0.99) / p(idle, 0.99)
+        print(f"{name:10} {p(idle, 0.5):9.1f} {p(idle, 0.99):9.1f} {p(load, 0.5):9.1f} "
+              f"{p(load, 0.99):9.1f} {ratios[name]:6.2f}")  # fmt: skip
+    co_idle, co_load = results["colocated"]
+    pd_idle, pd_load = results["P/D"]
+    print(
+        f"RESULT pd_loaded_over_idle_p99={ratios['P/D']:.2f} "
+        f"colocated_loaded_over_idle_p99={ratios['colocated']:.2f} "
+        f"pd_itl_p99_ms={p(pd_load, 0.99):.1f} colocated_itl_p99_ms={p(co_load, 0.99):.1f} "
+        f"pd_idle_p99_ms={p(pd_idle, 0.99):.1f} colocated_idle_p99_ms={p(co_idle, 0.99):.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

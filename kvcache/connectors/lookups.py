@@ -1,0 +1,35 @@
+"""Scheduler sides of the built-in connectors: what a store holds, and what to save to it."""
+
+from __future__ import annotations
+
+from kvcache.connectors.base import KVConnectorScheduler, KVLayout
+from kvcache.connectors.stores import BlockStore
+from kvcache.manager import KVRequest
+
+
+def _max_blocks(req: KVRequest, block_size: int) -> int:
+    # The last prompt token is always computed, so the step has logits to sample.
+    return min(len(req.block_hashes), (req.num_tokens - 1) // block_size)
+
+
+class StoreLookup(KVConnectorScheduler):
+    """Supplies the run of blocks after the local hit that `store` holds; saves new ones."""
+
+    def __init__(self, layout: KVLayout, store: BlockStore, saves: bool = True) -> None:
+        super().__init__(layout)
+        self.store = store
+        self._saves = saves
+
+    @property
+    def wants_saves(self) -> bool:
+        return self._saves
+
+    def get_num_new_matched_tokens(self, req: KVRequest, num_computed_tokens: int) -> int:
+        bs = self.layout.block_size
+        first, end = num_computed_tokens // bs, _max_blocks(req, bs)
+        n = 0
+        for h in req.block_hashes[first:end]:
+            if not self.store.contains(self.layout.block_key(h)):
+                break
+            n += 1
+        return n * bs
