@@ -38,7 +38,7 @@ def test_urgent_prefill_runs_alone_then_the_batch_resumes() -> None:
 
 
 def test_work_ranked_above_the_urgent_prefill_stays_in_its_step() -> None:
-    sched, batch, _ = loaded("priority")
+    sched, _, _ = loaded("priority")
     first = make_request(8, max_tokens=20, priority=0)
     sched.add_request(first)
     step(sched)  # first's prompt, alone
@@ -51,7 +51,7 @@ def test_work_ranked_above_the_urgent_prefill_stays_in_its_step() -> None:
 
 
 def test_fcfs_step_composition_is_unchanged() -> None:
-    sched, batch, late = loaded("fcfs")
+    sched, _, late = loaded("fcfs")
     newcomer = make_request(32, max_tokens=4, priority=0)
     sched.add_request(newcomer)
     out = step(sched)
