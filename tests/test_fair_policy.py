@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
 from conftest import FakeClock, make_request, sample_all
 from kvcache import KVCacheManager
 from plugins import load_policy
 from scheduling import Scheduler, SchedulerConfig, SchedulerOutput, StepStats
+from scheduling.fairness import ServiceRecorder
 from scheduling.policies.fair import FairPolicy
 from scheduling.simulator import simulate
 from scheduling.trace import TraceClass, make_trace
@@ -129,52 +128,15 @@ def four_tenant_trace(rate: float = 100.0, duration_s: float = 1.5):
 
 
 def run_recorded(policy_name: str, trace, **options: object):
-    """Simulate; per step: the tenants still waiting and each tenant's weighted service /
-    weight so far, counted from the steps' shapes with the fair policy's prices."""
+    """Simulate with a ServiceRecorder pricing every step as `fair` would."""
     policy = load_policy(policy_name, **options)
     prices = policy if isinstance(policy, FairPolicy) else FairPolicy(**options)  # type: ignore[arg-type]
-    served: dict[str, float] = defaultdict(float)
-    history: list[tuple[frozenset[str], dict[str, float]]] = []
-
-    def on_step(sched: Scheduler, out: SchedulerOutput) -> None:
-        for tenant, tokens in out.shape.tenant_tokens.items():
-            cost = prices.w_p * tokens.prefill + prices.w_q * tokens.decode
-            served[tenant] += cost / prices.weight(tenant)
-        history.append((frozenset(r.tenant for r in sched.waiting), dict(served)))
-
-    result = simulate(trace, policy, config=CONFIG, on_step=on_step)
-    return result, history, prices
+    recorder = ServiceRecorder(prices)
+    result = simulate(trace, policy, config=CONFIG, on_step=recorder)
+    return result, recorder
 
 
-def worst_interval_gap(history) -> float:
-    """max over tenant pairs and intervals in which both stay backlogged of
-    |W_f(t1, t2) - W_g(t1, t2)| (weighted): the spread of their difference over each
-    common backlogged run."""
-    tenants = sorted({t for backlog, _ in history for t in backlog})
-    worst = 0.0
-    for i, f in enumerate(tenants):
-        for g in tenants[i + 1 :]:
-            lo = hi = None
-            for backlog, served in history:
-                if f in backlog and g in backlog:
-                    d = served.get(f, 0.0) - served.get(g, 0.0)
-                    lo, hi = (d, d) if lo is None else (min(lo, d), max(hi, d))
-                    worst = max(worst, hi - lo)
-                else:
-                    lo = hi = None
-    return worst
-
-
-def shares_while_all_backlogged(history, tenants: list[str], weights: dict[str, float]):
-    """Each tenant's service over the steps in which every tenant waits, over its
-    weighted fair share of the total."""
-    steps = [i for i, (backlog, _) in enumerate(history) if backlog >= set(tenants)]
-    assert len(steps) > 100, "the trace should keep every tenant backlogged a while"
-    start, end = history[steps[0]][1], history[steps[-1]][1]
-    # served[] is already service / weight: back to raw service to split the total.
-    got = {t: (end.get(t, 0) - start.get(t, 0)) * weights.get(t, 1.0) for t in tenants}
-    total, wsum = sum(got.values()), sum(weights.get(t, 1.0) for t in tenants)
-    return {t: got[t] / (total * weights.get(t, 1.0) / wsum) for t in tenants}
+TENANTS = ["heavy", "light0", "light1", "light2"]
 
 
 @pytest.fixture(scope="module")
@@ -188,25 +150,25 @@ def fcfs_run(trace):
 
 
 def test_fair_keeps_vtc_bound_and_fair_shares_at_fcfs_throughput(trace, fcfs_run) -> None:
-    fcfs, fcfs_history, _ = fcfs_run
-    fair, history, policy = run_recorded("fair", trace)
-    bound = 2 * policy.counter_bound(CONFIG)
-    gap = worst_interval_gap(history)
+    fcfs, fcfs_rec = fcfs_run
+    fair, rec = run_recorded("fair", trace)
+    assert len(rec.all_backlogged_steps(TENANTS)) > 100, "all four should stay backlogged"
+    bound = 2 * rec.prices.counter_bound(CONFIG)
+    gap = rec.worst_interval_gap()
     assert gap <= bound, f"service gap {gap:.0f} over VTC's bound {bound:.0f}"
-    tenants = ["heavy", "light0", "light1", "light2"]
-    shares = shares_while_all_backlogged(history, tenants, {})
-    for light in tenants[1:]:
+    shares = rec.shares(TENANTS)
+    for light in TENANTS[1:]:
         assert shares[light] >= 0.95, shares
     assert fair.summary["tok_s"] >= 0.95 * fcfs.summary["tok_s"]
     # The same checks have teeth: under fcfs the heavy tenant takes ~3/4 of the engine.
-    assert worst_interval_gap(fcfs_history) > 10 * bound
-    fcfs_shares = shares_while_all_backlogged(fcfs_history, tenants, {})
-    assert all(fcfs_shares[t] < 0.5 for t in tenants[1:])
+    assert fcfs_rec.worst_interval_gap() > 10 * bound
+    fcfs_shares = fcfs_rec.shares(TENANTS)
+    assert all(fcfs_shares[t] < 0.5 for t in TENANTS[1:])
 
 
 def test_weighted_tenant_gets_its_weighted_share(trace) -> None:
-    weights = {"light0": 2.0}
-    _, history, policy = run_recorded("fair", trace, weights=weights)
-    assert worst_interval_gap(history) <= 2 * policy.counter_bound(CONFIG)
-    shares = shares_while_all_backlogged(history, ["heavy", "light0", "light1", "light2"], weights)
+    _, rec = run_recorded("fair", trace, weights={"light0": 2.0})
+    assert rec.worst_interval_gap() <= 2 * rec.prices.counter_bound(CONFIG)
+    shares = rec.shares(TENANTS)
+    # light0 gets 2/5 of the service, the others 1/5 each.
     assert all(share >= 0.95 for name, share in shares.items() if name != "heavy"), shares
