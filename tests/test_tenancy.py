@@ -6,10 +6,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import FakeClock
-from daemon.tenancy import parse_tenant_weights, resolve_tenant
-from daemon.tenant_limits import TenantLimitError, TenantRateLimiter, parse_rate_limits
-from daemon.tenant_metrics import TenantMetrics
+from daemon.openai.tenancy import resolve_tenant
+from daemon.openai.tenant_limits import TenantLimitError, TenantRateLimiter, parse_rate_limits
+from daemon.openai.tenant_metrics import TenantMetrics
 from scheduling import DEFAULT_TENANT
+from scheduling.policies.fair import parse_tenant_weights
 
 
 def test_tenant_comes_from_user_then_header_then_key_name() -> None:

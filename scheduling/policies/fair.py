@@ -20,6 +20,7 @@ the weighted service either gets over any interval of that time differs by at mo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from scheduling.config import SchedulerConfig
@@ -27,6 +28,24 @@ from scheduling.cost_model import StepCostModel
 from scheduling.output import StepStats
 from scheduling.policy import ACCEPT, Admission, BasePolicy, LoadView
 from scheduling.request import Request, RequestStatus
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """`--tenant-weights a=2,b=1`: each tenant's share under `fair` (others weigh 1)."""
+    weights: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.strip().partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not name.strip() or not weight > 0 or math.isinf(weight):
+            raise ValueError(f"tenant_weights: {part.strip()!r} is not TENANT=WEIGHT (> 0)")
+        weights[name.strip()] = weight
+    return weights
+
 
 # Counters kept before those of idle tenants at the floor are forgotten.
 MAX_IDLE_TENANTS = 4096

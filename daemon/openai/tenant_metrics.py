@@ -15,6 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 OTHER = "other"
+REASONS = ("rate_limit", "queue_full", "policy")
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Traffic scores kept; past this the least active half is forgotten.
 _MAX_SCORES = 512
@@ -59,6 +60,12 @@ class TenantMetrics:
         self._top: set[str] = set()
         # The series made per tenant value, to remove when it leaves the top.
         self._made: dict[str, set[tuple[Counter | Histogram, tuple[str, ...]]]] = {}
+        # "other" exists from the start, at zero, so every series is there to be scraped.
+        for kind in ("prompt", "output"):
+            self.tokens.labels(OTHER, kind)
+        for reason in REASONS:
+            self.rejections.labels(OTHER, reason)
+        self.queue_time.labels(OTHER)
 
     def label(self, tenant: str) -> str:
         return tenant if tenant in self._top else OTHER
@@ -92,7 +99,8 @@ class TenantMetrics:
             keep = heapq.nlargest(_MAX_SCORES // 2, self._scores.items(), key=lambda kv: kv[1])
             self._scores = dict(keep)
         top = {t for t, _ in heapq.nlargest(self.top_k, self._scores.items(), key=lambda kv: kv[1])}
-        for gone in self._top - top:
+        # (A tenant named "other" shares the aggregate's series, which always stay.)
+        for gone in self._top - top - {OTHER}:
             # Its series go; it counts as "other" from now on.
             for metric, values in self._made.pop(gone, set()):
                 metric.remove(*values)
