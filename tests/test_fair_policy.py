@@ -172,3 +172,19 @@ def test_weighted_tenant_gets_its_weighted_share(trace) -> None:
     shares = rec.shares(TENANTS)
     # light0 gets 2/5 of the service, the others 1/5 each.
     assert all(share >= 0.95 for name, share in shares.items() if name != "heavy"), shares
+
+
+def test_simulate_cli_takes_tenants_and_weights(tmp_path, capsys) -> None:
+    from daemon.cli import main
+    from scheduling.trace import dump_trace, load_trace
+
+    trace = four_tenant_trace(rate=20, duration_s=0.2)
+    path = tmp_path / "t.jsonl"
+    dump_trace(trace, path)
+    assert [t.tenant for t in load_trace(path)] == [t.tenant for t in trace]
+    assert {t.tenant for t in trace} == set(TENANTS)
+    argv = ["simulate", "--trace", str(path), "--tenant-weights", "light0=2"]
+    assert main([*argv, "--policy", "fair"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT goodput=")
+    assert main([*argv, "--policy", "fcfs"]) == 2
+    assert "only the fair policy" in capsys.readouterr().err
