@@ -175,7 +175,7 @@ def test_weighted_tenant_gets_its_weighted_share(trace) -> None:
 
 
 def test_simulate_cli_takes_tenants_and_weights(tmp_path, capsys) -> None:
-    from daemon.cli import main
+    from daemon.service.cli import main
     from scheduling.trace import dump_trace, load_trace
 
     trace = four_tenant_trace(rate=20, duration_s=0.2)
