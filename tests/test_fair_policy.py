@@ -82,6 +82,24 @@ def test_least_served_tenant_goes_first_and_a_returning_one_banks_nothing() -> N
     assert list(out.num_scheduled_tokens) == [late_b.request_id]
 
 
+def test_one_step_admits_tenants_in_turn_not_by_arrival() -> None:
+    # Everyone arrives at once, the heavy tenant first with 6 requests; 4 seats.
+    sched = fair_scheduler(FairPolicy(), max_num_batched_tokens=256, max_num_seqs=4)
+    heavy = [tenant_request("heavy") for _ in range(6)]
+    light = [tenant_request(t) for t in ("a", "b", "c")]
+    for req in [*heavy, *light]:
+        sched.add_request(req)
+    out = fair_step(sched)
+    # All counters are 0, but each tenant's second request ranks behind everyone's first.
+    assert set(out.num_scheduled_tokens) == {heavy[0].request_id} | {r.request_id for r in light}
+    # Under fcfs the heavy tenant takes every seat.
+    fcfs = fair_scheduler(load_policy("fcfs"), max_num_batched_tokens=256, max_num_seqs=4)
+    for req in [tenant_request("heavy") for _ in range(6)]:
+        fcfs.add_request(req)
+    fcfs.add_request(tenant_request("a"))
+    assert {fcfs.requests[r].tenant for r in fair_step(fcfs).num_scheduled_tokens} == {"heavy"}
+
+
 def test_idle_tenant_is_lifted_to_the_floor() -> None:
     policy = FairPolicy()
     policy.counters = {"a": 500.0, "b": 900.0}

@@ -101,6 +101,9 @@ class FairPolicy(BasePolicy):
         # The least counter among the last non-empty waiting set: where a tenant that finds
         # the engine idle starts.
         self._floor = 0.0
+        # Weighted prompt cost of each tenant's waiting requests ranked so far this step.
+        self._queued: dict[str, float] = {}
+        self._ranked_at: float | None = None
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -125,15 +128,24 @@ class FairPolicy(BasePolicy):
 
     def rank(self, req: Request, now: float) -> tuple[float, float, str]:
         tenant = req.tenant
-        running = req.status == RequestStatus.RUNNING
-        if not running and tenant not in self._waiting_now:
+        if now != self._ranked_at:
+            # A new step's ranking (all ranks of one step share its `now`).
+            self._ranked_at, self._queued = now, {}
+        counter = self.counters.get(tenant, self._floor)
+        if req.status == RequestStatus.RUNNING:
+            return (counter - self.margin, req.arrival_time, req.request_id)
+        if tenant not in self._waiting_now:
             self._waiting_now.add(tenant)
             if tenant not in self._waiting_prev:
                 self._lift(tenant)
-        counter = self.counters.get(tenant, self._floor)
-        if running:
-            counter -= self.margin
-        return (counter, req.arrival_time, req.request_id)
+                counter = self.counters[tenant]
+        # Counters move once per step, so a tenant's later waiting requests rank as if its
+        # earlier ones (in queue order) had been served: one step admits tenants in turn,
+        # by weighted prompt cost, instead of whoever arrived first filling every seat.
+        ahead = self._queued.get(tenant, 0.0)
+        cost = self.w_p * max(1, req.num_tokens - req.num_computed_tokens)
+        self._queued[tenant] = ahead + cost / self.weight(tenant)
+        return (counter + ahead, req.arrival_time, req.request_id)
 
     def _lift(self, tenant: str) -> None:
         """A returning tenant joins at the least counter of those waiting: no banked credit."""
@@ -148,6 +160,7 @@ class FairPolicy(BasePolicy):
                 tenant
             )
         self._waiting_prev, self._waiting_now = self._waiting_now, set()
+        self._queued = {}
         if self._waiting_prev:
             self._floor = min(self.counters.get(t, self._floor) for t in self._waiting_prev)
         if len(self.counters) > MAX_IDLE_TENANTS:
