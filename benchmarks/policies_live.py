@@ -1,7 +1,9 @@
-"""fcfs, priority and slo side by side on the real daemon, at ~1.2x its measured saturation.
+"""Every policy on the real daemon: fcfs, priority and slo at ~1.2x its measured saturation;
+fcfs and fair under a four-tenant load; priority's urgent TTFT loaded against idle.
 
-    python benchmarks/policies_live.py                  # embedded model, 2 request classes
+    python benchmarks/policies_live.py                  # embedded model, everything
     python benchmarks/policies_live.py --requests 96 --load 1.2
+    python benchmarks/policies_live.py --only tenants,urgent --tenant-requests 130
 
 Steps, all in this one run on this machine:
 1. start `headrace serve --policy fcfs`; measure the interactive class unloaded (one request at
@@ -11,8 +13,14 @@ Steps, all in this one run on this machine:
    goodput is about meeting latency under load, not about the machine's speed);
 3. for each policy, a fresh daemon and the same Poisson workload at LOAD x saturation: 30%
    interactive (priority 0, tight SLO), 70% batch (priority 1, loose SLO).
-Prints a table of goodput and priority-0 p99 TTFT per policy, and a RESULT line with the ratios
-slo/fcfs and priority/fcfs goodput and the priority-0 p99 TTFT loaded/unloaded.
+4. tenants: for fcfs and fair, a fresh daemon and --tenant-requests sent at once, drawn to four
+   tenants (heavy at 10x the requests of each of a, b, c; sent as `user`): per-tenant output
+   tok/s while all four are backlogged, TTFT p50/p99, and Jain's index over those rates;
+5. urgent: on a priority daemon, priority-0 requests alone (idle TTFT), then the same requests
+   as --urgent-share of a Poisson stream at --urgent-load x saturation of priority-1 ones.
+Prints the tables, and a RESULT line with the ratios slo/fcfs and priority/fcfs goodput, the
+priority-0 p99 TTFT loaded/unloaded, Jain's index of fair and fcfs, and the urgent TTFT
+loaded/idle (p50 and p99) under priority.
 """
 
 from __future__ import annotations
@@ -46,37 +54,12 @@ def run(peer: LaunchedPeer, tok: object, argv: list[str], rate: float, conc: int
     return bench_once(args, ep, requests, classes, tok, rate, conc, False)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--load", type=float, default=1.2, help="offered load / saturation")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--serve-args", default="--max-num-seqs 16", help="extra headrace serve flags")
-    p.add_argument("--result-dir", default="bench-results/policies")
-    p.add_argument("--ttft-factor", type=float, default=5.0, help="interactive TTFT SLO / unloaded")
-    p.add_argument("--tpot-factor", type=float, default=4.0, help="interactive TPOT SLO / unloaded")
-    a = p.parse_args()
-    m = machine_description()
-    print(f"machine: {m['cpu_model']}, {m['cores']} cores, ISA {' '.join(m['isa_flags'])}")
-    tok = load_bench_tokenizer(None)
-    shape = ["--input-len", str(a.input_len), "--output-len", str(a.output_len), "--ignore-eos"]
-    out_dir = Path(a.result_dir)
-
-    fcfs = LaunchedPeer("headrace", f"--policy fcfs {a.serve_args}", out_dir)
-    try:
-        fcfs.wait_ready(600)
-        unloaded = run(fcfs, tok, [*shape, "--num-prompts", "8"], math.inf, 1)
-        sat = run(fcfs, tok, [*shape, "--num-prompts", str(a.requests)], math.inf, None)
-    finally:
-        fcfs.stop()
-    saturation = sat["request_throughput"]
+def run_classes(
+    a: argparse.Namespace, tok: object, shape: list[str], out_dir: Path, unloaded: dict, rate: float
+) -> list[str]:
+    """fcfs, priority and slo on two classes with SLOs at `rate` req/s: goodput, p0 p99 TTFT."""
     ttft0, tpot0 = unloaded["median_ttft_ms"], unloaded["median_tpot_ms"]
-    rate = a.load * saturation
-    print(
-        f"unloaded: TTFT p50 {ttft0:.0f} ms, TPOT p50 {tpot0:.1f} ms; saturation "
-        f"{saturation:.2f} req/s ({sat['output_throughput']:.1f} tok/s); offered {rate:.2f} req/s"
-    )
+    print(f"classes: offered {rate:.2f} req/s")
     classes = [
         "--class", f"interactive:0.3:0:{a.ttft_factor * ttft0:.0f}:{a.tpot_factor * tpot0:.1f}",
         "--class", f"batch:0.7:1:{10 * ttft0:.0f}:{10 * tpot0:.1f}",
@@ -103,16 +86,115 @@ def main() -> int:
         )
     base = results["fcfs"]["goodput_total"] or math.nan
     p0_unloaded = unloaded["p99_ttft_ms"] or math.nan
-    print(
-        f"RESULT slo_over_fcfs_goodput={results['slo']['goodput_total'] / base:.3f} "
-        f"priority_over_fcfs_goodput={results['priority']['goodput_total'] / base:.3f} "
-        + " ".join(
+    return [
+        f"slo_over_fcfs_goodput={results['slo']['goodput_total'] / base:.3f}",
+        f"priority_over_fcfs_goodput={results['priority']['goodput_total'] / base:.3f}",
+        *(
             f"{pol}_p0_p99_ttft_loaded_over_unloaded="
             f"{r['classes']['interactive']['p99_ttft_ms'] / p0_unloaded:.2f}"
             for pol, r in results.items()
-        )
-        + f" saturation_req_s={saturation:.3f} offered_req_s={rate:.3f}"
+        ),
+        f"offered_req_s={rate:.3f}",
+    ]
+
+
+def run_tenants(a: argparse.Namespace, tok: object, shape: list[str], out_dir: Path) -> list[str]:
+    """fcfs and fair on the four-tenant load, all sent at once (every tenant backlogged)."""
+    argv = [*shape, "--tenants", a.tenants, "--num-prompts", str(a.tenant_requests)]
+    figures = []
+    for policy in ("fcfs", "fair"):
+        peer = LaunchedPeer("headrace", f"--policy {policy} {a.serve_args}", out_dir)
+        try:
+            peer.wait_ready(600)
+            t = run(peer, tok, [*argv, "--seed", "11"], math.inf, None)["tenants"]
+        finally:
+            peer.stop()
+        print(f"{policy}: all four backlogged for {t['window_s']:.1f} s")
+        print(f"  {'tenant':<8}{'tok/s backlogged':>18}{'TTFT p50 ms':>13}{'p99 ms':>9}{'n':>5}")
+        for name, x in t["per_tenant"].items():
+            print(
+                f"  {name:<8}{x['backlogged_output_throughput']:>18.1f}"
+                f"{x['median_ttft_ms']:>13.0f}{x['p99_ttft_ms']:>9.0f}{x['completed']:>5}"
+            )
+        print(f"  Jain's index (backlogged): {t['jain_index']:.3f}")
+        figures.append(f"{policy}_jain={t['jain_index']:.3f}")
+    return figures
+
+
+def run_urgent(
+    a: argparse.Namespace, tok: object, shape: list[str], out_dir: Path, rate: float
+) -> list[str]:
+    """priority: urgent (priority-0) TTFT alone, then inside a saturating priority-1 stream."""
+    peer = LaunchedPeer("headrace", f"--policy priority {a.serve_args}", out_dir)
+    n = max(8, round(a.requests * a.urgent_share))
+    try:
+        peer.wait_ready(600)
+        idle = run(peer, tok, [*shape, "--num-prompts", str(n), "--seed", "5"], math.inf, 1)
+        mix = ["--class", f"urgent:{a.urgent_share}:0", "--class", f"batch:{1 - a.urgent_share}:1"]
+        argv = [*shape, *mix, "--num-prompts", str(round(n / a.urgent_share)), "--seed", "5"]
+        loaded = run(peer, tok, argv, rate, None)["classes"]["urgent"]
+    finally:
+        peer.stop()
+    p50 = loaded["median_ttft_ms"] / (idle["median_ttft_ms"] or math.nan)
+    p99 = loaded["p99_ttft_ms"] / (idle["p99_ttft_ms"] or math.nan)
+    print(
+        f"urgent TTFT idle p50/p99 {idle['median_ttft_ms']:.0f}/{idle['p99_ttft_ms']:.0f} ms; "
+        f"under priority-1 load at {rate:.2f} req/s: {loaded['median_ttft_ms']:.0f}/"
+        f"{loaded['p99_ttft_ms']:.0f} ms (n={loaded['completed']})"
     )
+    return [
+        f"priority_urgent_ttft_p50_loaded_over_idle={p50:.2f}",
+        f"priority_urgent_ttft_p99_loaded_over_idle={p99:.2f}",
+        f"urgent_offered_req_s={rate:.3f}",
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--load", type=float, default=1.2, help="offered load / saturation")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--serve-args", default="--max-num-seqs 16", help="extra headrace serve flags")
+    p.add_argument("--result-dir", default="bench-results/policies")
+    p.add_argument("--ttft-factor", type=float, default=5.0, help="interactive TTFT SLO / unloaded")
+    p.add_argument("--tpot-factor", type=float, default=4.0, help="interactive TPOT SLO / unloaded")
+    p.add_argument("--only", default="classes,tenants,urgent", help="which parts to run")
+    p.add_argument("--tenant-requests", type=int, default=130, help="requests of the tenant load")
+    p.add_argument("--tenants", default="heavy:10,a:1,b:1,c:1")
+    p.add_argument("--urgent-share", type=float, default=0.1)
+    p.add_argument("--urgent-load", type=float, default=1.5, help="offered load / saturation")
+    a = p.parse_args()
+    parts = set(a.only.split(","))
+    m = machine_description()
+    print(f"machine: {m['cpu_model']}, {m['cores']} cores, ISA {' '.join(m['isa_flags'])}")
+    tok = load_bench_tokenizer(None)
+    shape = ["--input-len", str(a.input_len), "--output-len", str(a.output_len), "--ignore-eos"]
+    out_dir = Path(a.result_dir)
+
+    fcfs = LaunchedPeer("headrace", f"--policy fcfs {a.serve_args}", out_dir)
+    try:
+        fcfs.wait_ready(600)
+        unloaded = run(fcfs, tok, [*shape, "--num-prompts", "8"], math.inf, 1)
+        sat = run(fcfs, tok, [*shape, "--num-prompts", str(a.requests)], math.inf, None)
+    finally:
+        fcfs.stop()
+    saturation = sat["request_throughput"]
+    ttft0, tpot0 = unloaded["median_ttft_ms"], unloaded["median_tpot_ms"]
+    print(
+        f"unloaded: TTFT p50 {ttft0:.0f} ms, TPOT p50 {tpot0:.1f} ms; saturation "
+        f"{saturation:.2f} req/s ({sat['output_throughput']:.1f} tok/s)"
+    )
+    figures: list[str] = [f"saturation_req_s={saturation:.3f}"]
+    if "classes" in parts:
+        figures += run_classes(a, tok, shape, out_dir, unloaded, a.load * saturation)
+    if "tenants" in parts:
+        figures += run_tenants(a, tok, shape, out_dir)
+    if "urgent" in parts:
+        figures += run_urgent(a, tok, shape, out_dir, a.urgent_load * saturation)
+    # Ratios first, then the absolute figures they come from.
+    figures.sort(key=lambda f: ("ratio" not in f and "over" not in f and "jain" not in f, f))
+    print("RESULT " + " ".join(figures))
     return 0
 
 

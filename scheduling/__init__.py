@@ -9,6 +9,7 @@ from scheduling.output import (
     SchedulerOutput,
     StepShape,
     StepStats,
+    TenantTokens,
 )
 from scheduling.policy import (
     ACCEPT,
@@ -21,13 +22,14 @@ from scheduling.policy import (
     Policy,
     reject,
 )
-from scheduling.request import SLO, Request, RequestStatus
+from scheduling.request import DEFAULT_TENANT, SLO, Request, RequestStatus
 from scheduling.sampling_params import SamplingParams, SamplingParamsError
 from scheduling.scheduler import QueueFullError, Scheduler
 from scheduling.spec_stats import SpecDecodeStats
 
 __all__ = [
     "ACCEPT",
+    "DEFAULT_TENANT",
     "DEFER",
     "POLICY_API_VERSION",
     "SLO",
@@ -51,5 +53,6 @@ __all__ = [
     "SpecDecodeStats",
     "StepShape",
     "StepStats",
+    "TenantTokens",
     "reject",
 ]

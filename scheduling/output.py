@@ -39,6 +39,14 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class TenantTokens:
+    """Tokens one tenant got in one step (what the `fair` policy charges it for)."""
+
+    prefill: int = 0
+    decode: int = 0
+
+
+@dataclass(slots=True)
 class StepShape:
     """What a step computes, in the units the step-cost model is fitted on."""
 
@@ -47,6 +55,8 @@ class StepShape:
     num_seqs: int = 0
     # Sum over scheduled requests of the context they attend to (attention cost).
     num_context_tokens: int = 0
+    # The same prefill/decode split per tenant (Request.tenant).
+    tenant_tokens: dict[str, TenantTokens] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -62,6 +62,11 @@ class Policy(Protocol):
     Contract: `rank` is called once per request per step and must not mutate the request;
     the running request with the highest rank is the preemption victim, and a waiting
     request ranked strictly below a running one may preempt it.
+
+    Optional class attribute `urgent_prefill_alone` (read with getattr, default False;
+    not a protocol member, so older plugins still match): a step that admits a new
+    request ranked above running ones carries nothing ranked below it, so that request's
+    first token is not slowed by the batch it jumped (the priority policy's urgent ones).
     """
 
     name: ClassVar[str]
@@ -79,6 +84,8 @@ class BasePolicy:
 
     name: ClassVar[str] = "base"
     api_version: ClassVar[int] = POLICY_API_VERSION
+    # See Policy: the step of an urgent first prefill carries nothing ranked below it.
+    urgent_prefill_alone: ClassVar[bool] = False
 
     def rank(self, req: Request, now: float) -> Any:
         raise NotImplementedError

@@ -20,6 +20,9 @@ from kvcache import BlockHash
 from scheduling.sampling_params import SamplingParams
 from scheduling.spec_stats import SpecDecodeStats
 
+# The tenant of a request that names none: every such request shares one.
+DEFAULT_TENANT = "default"
+
 
 class RequestStatus(enum.IntEnum):
     """Everything after PREEMPTED is finished."""
@@ -90,6 +93,9 @@ class Request:
     # adapter itself, opaque here (runner/lora/ holds the weights).
     lora_id: str | None = None
     lora: object | None = None
+    # Who the request is served for: the `fair` policy shares the engine between tenants
+    # (the API takes it from `user`, X-Tenant or the API key's name).
+    tenant: str = DEFAULT_TENANT
     # The compiled grammar its output must obey (opaque here: grammars/ and the runner use
     # it). None while WAITING_FOR_GRAMMAR, and for unconstrained requests.
     grammar: object | None = None

@@ -105,6 +105,7 @@ class Scheduler:
         waiting.sort(key=lambda r: ranks[r.request_id])
         ri = wi = 0
         admit_more = True
+        urgent_step = False
         while step.budget > 0:
             r = running[ri] if ri < len(running) else None
             w = waiting[wi] if admit_more and wi < len(waiting) else None
@@ -113,6 +114,12 @@ class Scheduler:
                 # Head-of-line in policy order: if the best waiting request does not fit,
                 # nothing ranked after it jumps ahead.
                 admit_more = self._admit(w, ranks[w.request_id], running, ri, ranks, step, now)
+                urgent_step |= r is not None and self._isolates(w)
+            elif urgent_step:
+                # The step of an urgent first prefill carries nothing ranked below it: the
+                # decodes and chunks it jumped wait one step, so its first token comes as
+                # fast as on an idle engine (the policy asks for this: urgent_prefill_alone).
+                break
             elif r is not None:
                 ri += 1
                 # vLLM's rule: a step that had to preempt admits nothing new.
@@ -220,6 +227,15 @@ class Scheduler:
             return True
         running = {r.lora_id for r in self.running if r.lora_id is not None}
         return req.lora_id in running or len(running) < limit
+
+    def _isolates(self, req: Request) -> bool:
+        """Did admitting `req` (ranked above running requests) make this an urgent step?"""
+        return (
+            req.status == RequestStatus.RUNNING
+            and getattr(self.policy, "urgent_prefill_alone", False)
+            and req.num_preemptions == 0
+            and not req.output_token_ids
+        )
 
     def _free_slots(self, req: Request) -> int:
         """Token slots `req` could still use: its blocks' room plus every free block."""

@@ -7,12 +7,13 @@ step's shape, so policies can be compared on goodput without hardware.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from scheduling.config import SchedulerConfig
 from scheduling.cost_model import StepCostModel
-from scheduling.output import RunnerOutput, StepStats
+from scheduling.output import RunnerOutput, SchedulerOutput, StepStats
 from scheduling.policy import Policy
 from scheduling.request import SLO, Request
 from scheduling.sampling_params import SamplingParams
@@ -126,8 +127,13 @@ def simulate(
     num_blocks: int = 8192,
     block_size: int = 16,
     max_steps: int = 10_000_000,
+    on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
 ) -> SimResult:
-    """Replay `trace` through a real Scheduler; every request ends finished or rejected."""
+    """Replay `trace` through a real Scheduler; every request ends finished or rejected.
+
+    `on_step(scheduler, output)` sees each non-empty step right after it was scheduled
+    (tests read per-step composition and the queues from it).
+    """
     cost = cost or StepCostModel()
     clock = SimClock()
     kv = KVCacheManager(num_blocks, block_size)
@@ -151,6 +157,8 @@ def simulate(
             clock.now = max(clock.now, pending[0][1].arrival)
             continue
         num_steps += 1
+        if on_step is not None:
+            on_step(sched, out)
         if num_steps > max_steps:
             raise RuntimeError(f"simulation exceeded {max_steps} steps")
         duration = cost.predict(out.shape)
@@ -176,6 +184,7 @@ def _to_request(index: int, t: TraceRequest) -> Request:
         arrival_time=t.arrival,
         priority=t.priority,
         slo=t.slo,
+        tenant=t.tenant,
     )
 
 

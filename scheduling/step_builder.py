@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduling.output import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduling.output import CachedRequestData, NewRequestData, SchedulerOutput, TenantTokens
 from scheduling.request import Request
 
 
@@ -61,10 +61,15 @@ class StepBuilder:
             num_spec = max(0, req.num_computed_tokens + n - known)
             if num_spec:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+            tenant = shape.tenant_tokens.get(req.tenant)
+            if tenant is None:
+                tenant = shape.tenant_tokens[req.tenant] = TenantTokens()
             if req.num_computed_tokens >= known - 1:
                 shape.num_decode_tokens += n
+                tenant.decode += n
             else:
                 shape.num_prefill_tokens += n
+                tenant.prefill += n
             shape.num_context_tokens += req.num_computed_tokens + n
             req.num_computed_tokens += n
             if req.num_computed_tokens >= known:

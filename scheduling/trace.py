@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 
-from scheduling.request import SLO
+from scheduling.request import DEFAULT_TENANT, SLO
 
 
 @dataclass(slots=True)
@@ -22,6 +22,8 @@ class TraceRequest:
     slo: SLO | None = None
     # Free-form class label, used to break results down (e.g. "interactive").
     cls: str = ""
+    # Who sent it (the `fair` policy's unit of sharing); synthetic traces use the class name.
+    tenant: str = DEFAULT_TENANT
     # Exact prompt tokens; when absent the simulator makes unique ones (no prefix hits).
     prompt_ids: list[int] | None = None
 
@@ -36,6 +38,8 @@ class TraceRequest:
             out["slo"] = {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms}
         if self.cls:
             out["class"] = self.cls
+        if self.tenant != DEFAULT_TENANT:
+            out["tenant"] = self.tenant
         if self.prompt_ids is not None:
             out["prompt_ids"] = self.prompt_ids
         return out
@@ -53,6 +57,7 @@ def parse_trace_line(obj: dict, where: str) -> TraceRequest:
             priority=int(obj.get("priority", 0)),
             slo=SLO(slo.get("ttft_ms"), slo.get("tpot_ms")) if slo else None,
             cls=str(obj.get("class", "")),
+            tenant=str(obj.get("tenant", DEFAULT_TENANT)),
             prompt_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
         )
     except KeyError as e:
@@ -130,6 +135,7 @@ def make_trace(
                     priority=c.priority,
                     slo=slo,
                     cls=c.name,
+                    tenant=c.name,
                 )
             )
             t += rng.expovariate(c.rate)

@@ -11,6 +11,7 @@ from typing import Any
 from daemon.bench.client import Endpoint, check_loopback
 from daemon.bench.results import SLOSpec, output_rate_series
 from daemon.bench.serve import RunSpec, build_result, format_report, run_workload, write_result
+from daemon.bench.tenants import TenantSpec, assign_tenants
 from daemon.bench.workloads import (
     BenchRequest,
     PromptMaker,
@@ -52,6 +53,12 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME:SHARE[:PRIORITY[:TTFT_MS[:TPOT_MS]]]",
         help="a request class with its share of traffic, priority and SLO (repeatable)",
+    )
+    w.add_argument(
+        "--tenants",
+        metavar="NAME:SHARE,...",
+        help="draw each request's tenant by these shares, sent as `user` (e.g. heavy:10,a:1,"
+        "b:1,c:1); the report adds per-tenant figures and Jain's fairness index",
     )
     w.add_argument("--tokenizer", help="tokenizer (GGUF or HF dir) of the target; default embedded")
     w.add_argument("--seed", type=int, default=0)
@@ -122,7 +129,12 @@ def build_requests(
     classes = [RequestClass.parse(c) for c in args.classes]
     if len({c.name for c in classes}) != len(classes):
         raise ValueError("--class: class names must be unique")
+    reqs = assign_tenants(reqs, tenant_specs(args), args.seed)
     return assign_classes(reqs, classes, args.seed), classes
+
+
+def tenant_specs(args: argparse.Namespace) -> list[TenantSpec]:
+    return TenantSpec.parse_list(args.tenants) if getattr(args, "tenants", None) else []
 
 
 def make_endpoint(args: argparse.Namespace, base_url: str, uds: str | None) -> Endpoint:
@@ -164,7 +176,7 @@ def bench_once(
     outcome = asyncio.run(run_workload(ep, requests, spec, count))
     slo = SLOSpec.parse(args.slo) if args.slo else None
     meta = {"workload": args.workload, "tokenizer_id": args.tokenizer or "embedded"}
-    result = build_result(outcome, spec, ep, slo, classes, meta)
+    result = build_result(outcome, spec, ep, slo, classes, meta, tenant_specs(args))
     result["output_rate_series"] = output_rate_series(outcome.records, outcome.t0)
     result["max_output_tokens_per_s"] = max(result["output_rate_series"][1], default=0.0)
     return result

@@ -81,6 +81,8 @@ class Endpoint:
             body["priority"] = req.priority
         if req.slo:
             body["slo"] = req.slo
+        if req.tenant is not None:
+            body["user"] = req.tenant
         return body | (self.extra_body or {})
 
 
@@ -99,7 +101,12 @@ async def send(
     session: aiohttp.ClientSession, ep: Endpoint, req: BenchRequest, count_tokens: Any
 ) -> RequestRecord:
     """Stream one request; every failure becomes the record's error, never an exception."""
-    rec = RequestRecord(time.perf_counter(), req.prompt_tokens, request_class=req.request_class)
+    rec = RequestRecord(
+        time.perf_counter(),
+        req.prompt_tokens,
+        request_class=req.request_class,
+        tenant=req.tenant,
+    )
     usage_tokens = None
     parts: list[str] = []
     try:

@@ -75,6 +75,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: str | None = None
     request_class: str = "default"
+    tenant: str | None = None
     generated_text: str = ""
 
     @property

@@ -18,6 +18,7 @@ import orjson
 from daemon.bench.arrivals import arrival_offsets
 from daemon.bench.client import Endpoint, scrape, send, server_deltas
 from daemon.bench.results import RequestRecord, SLOSpec, summarize
+from daemon.bench.tenants import TenantSpec, format_tenants, summarize_tenants
 from daemon.bench.workloads import BenchRequest, RequestClass
 
 
@@ -167,6 +168,7 @@ def build_result(
     slo: SLOSpec | None,
     classes: list[RequestClass],
     meta: dict[str, Any],
+    tenants: list[TenantSpec] | None = None,
 ) -> dict[str, Any]:
     """The result-file object: vLLM's key names where they mean the same thing."""
     result: dict[str, Any] = {
@@ -197,6 +199,8 @@ def build_result(
             }
             for c in classes
         }
+    if tenants:
+        result["tenants"] = summarize_tenants(outcome.records, tenants, outcome.duration_s)
     result["input_lens"] = [r.prompt_tokens for r in outcome.records]
     result["output_lens"] = [r.output_tokens for r in outcome.records]
     result["ttfts"] = [r.ttft_s if r.ok else None for r in outcome.records]
@@ -254,6 +258,8 @@ def format_report(result: dict[str, Any], title: str = "Serving Benchmark Result
             row("Share meeting its SLO:", c["goodput_fraction"], ".3f")
         row("P99 TTFT (ms):", c["p99_ttft_ms"], ".1f")
         row("P99 TPOT (ms):", c["p99_tpot_ms"], ".1f")
+    if "tenants" in result:
+        lines += format_tenants(result["tenants"])
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -28,6 +28,8 @@ class BenchRequest:
     priority: int | None = None
     # Sent as the request's `slo` (headrace's slo policy reads it) when classes are used.
     slo: dict[str, float] | None = None
+    # Sent as the OpenAI `user` field (`--tenants`); headrace's `fair` policy shares by it.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

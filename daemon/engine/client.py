@@ -60,6 +60,9 @@ class EngineStats:
     # Compile times of grammars finished since the last read (each is handed out once).
     grammar_compile_seconds: list[float] = field(default_factory=list)
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # (tenant, seconds from arrival to first scheduled) of requests admitted since the last
+    # read (each is handed out once).
+    tenant_queue_seconds: list[tuple[str, float]] = field(default_factory=list)
 
 
 class DeltaStream(Protocol):

@@ -61,7 +61,12 @@ class EngineConfig:
     prefix_cache_hash: str = opt(
         "sha256", "block hash: sha256 or builtin (faster, not safe across tenants)"
     )
-    policy: str = opt("fcfs", "scheduling policy (entry point in headrace.policies)")
+    policy: str = opt(
+        "fcfs", "scheduling policy (entry point in headrace.policies): fcfs, priority, slo, fair"
+    )
+    tenant_weights: str | None = opt(
+        None, "fair: each tenant's share, TENANT=WEIGHT,... (e.g. a=2,b=1; others weigh 1)"
+    )
     speculative_method: str = opt(
         "none",
         "speculative decoding proposer: none, ngram (prompt lookup), or a plugin name in "

@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,9 @@ from runner.lora import LoRARegistry, UnknownAdapterError
 from runner.model_runner import ModelRunner
 from runner.thread_governor import ThreadGovernor
 from scheduling import (
+    DEFAULT_TENANT,
     SLO,
+    Policy,
     Request,
     RequestOutput,
     RequestStatus,
@@ -44,6 +47,7 @@ from scheduling import (
     SchedulerOutput,
     StepStats,
 )
+from scheduling.policies.fair import parse_tenant_weights
 
 log = logging.getLogger("headrace.engine")
 
@@ -91,9 +95,12 @@ class Engine:
         self.scheduler = Scheduler(
             sched_config,
             self.kv,
-            load_policy(config.policy),
+            make_policy(config),
             kv_connector=self.kv_connector.scheduler if self.kv_connector else None,
         )
+        # (tenant, seconds from arrival to first scheduled) of requests admitted since the
+        # last /metrics scrape, which drains it; bounded so nobody scraping costs nothing.
+        self.queue_times: deque[tuple[str, float]] = deque(maxlen=4096)
         self.speculative = speculative.speculative_config(config)
         graphs = uses_cuda_graphs(config, self.device)
         self.runner = ModelRunner(
@@ -167,6 +174,7 @@ class Engine:
         cache_salt: str | None = None,
         grammar: GrammarSpec | None = None,
         lora: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled.
         `lora` names a served adapter (UnknownAdapterError if there is none of that name)."""
@@ -193,6 +201,7 @@ class Engine:
             cache_salt=cache_salt,
             lora_id=adapter.lora_id if adapter else None,
             lora=adapter,
+            tenant=tenant,
         )
         if grammar is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -223,6 +232,10 @@ class Engine:
         kv_connectors.land_loads(self.kv_connector, self.scheduler)
         so = self.scheduler.schedule()
         kv_connectors.start_loads(self.kv_connector, so)
+        for new in so.scheduled_new_reqs:
+            req = self.scheduler.requests[new.req_id]
+            if req.num_preemptions == 0 and req.first_scheduled_time is not None:
+                self.queue_times.append((req.tenant, req.first_scheduled_time - req.arrival_time))
         return so
 
     def step(self) -> list[Delta]:
@@ -352,7 +365,13 @@ class Engine:
             grammar_cache_misses=compiles.misses if compiles else 0,
             grammar_compile_seconds=list(compiles.drain_compile_seconds()) if compiles else [],
             spec=sched.spec_stats,
+            tenant_queue_seconds=self._drain_queue_times(),
         )
+
+    def _drain_queue_times(self) -> list[tuple[str, float]]:
+        out = list(self.queue_times)
+        self.queue_times.clear()
+        return out
 
     # -- scripts -------------------------------------------------------------------------
 
@@ -404,3 +423,12 @@ def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
     # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
     passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     return governor if config.thread_governor and governor.enabled and not passive else None
+
+
+def make_policy(config: EngineConfig) -> Policy:
+    """The configured policy; `--tenant-weights` go to `fair`, the one policy that has them."""
+    if not config.tenant_weights:
+        return load_policy(config.policy)
+    if config.policy != "fair":
+        raise ValueError(f"tenant_weights: only the fair policy has them, not {config.policy!r}")
+    return load_policy("fair", weights=parse_tenant_weights(config.tenant_weights))

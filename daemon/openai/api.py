@@ -12,7 +12,7 @@ from aiohttp import web
 
 from daemon.engine.client import EngineClient
 from daemon.engine.outputs import Delta
-from daemon.openai.auth import access
+from daemon.openai.auth import API_KEY_NAME, access
 from daemon.openai.choices import Choice, merged
 from daemon.openai.errors import (
     OPENAI_FINISH_REASONS,
@@ -36,6 +36,8 @@ from daemon.openai.protocol import (
 from daemon.openai.responses import ResponseBuilder
 from daemon.openai.spec_metrics import spec_log_fields
 from daemon.openai.structured_output import WARNING_HEADER, Constraint
+from daemon.openai.tenancy import TENANT_HEADER, resolve_tenant
+from daemon.openai.tenant_limits import TenantLimitError, TenantRateLimiter
 from daemon.openai.tokenizing import Tokenizing
 from daemon.openai.tool_parsers import ToolParser, load_tool_parser
 from daemon.openai.tools import (
@@ -48,7 +50,7 @@ from daemon.openai.tools import (
 )
 from daemon.openai.validation import ValidationError, choice_seed
 from grammars import GrammarSpec
-from scheduling import QueueFullError
+from scheduling import DEFAULT_TENANT, QueueFullError
 
 log = logging.getLogger("headrace.api")
 RETRY_AFTER_S = "1"
@@ -74,6 +76,10 @@ class APIServer:
         self.responses = ResponseBuilder(model_name, tokenizer)
         self.tokenizing = Tokenizing(tokenizer, options.offload_chars)
         self.capacity = CapacityEstimate()
+        self.limiter = TenantRateLimiter(options.tenant_rate_limits)
+        metrics.tenants.top_k = options.tenant_metrics_top_k
+        # request id -> (tenant, tokens its rate bucket was charged), until it ends.
+        self._tenant_of: dict[str, tuple[str, int]] = {}
         # Tool calls: whether the chat template shows tools, and how "auto" reads calls.
         self.renders_tools = tokenizer is not None and template_renders_tools(tokenizer)
         self.tool_parser: ToolParser = load_tool_parser(options.tool_parser)
@@ -85,7 +91,10 @@ class APIServer:
         app = web.Application(
             middlewares=[
                 json_errors,
-                access(opts.api_key, opts.metrics_unix_only),
+                access(
+                    {**({opts.api_key: None} if opts.api_key else {}), **opts.api_keys},
+                    opts.metrics_unix_only,
+                ),
                 body_limit(opts.max_request_bytes),
             ],
             client_max_size=opts.max_request_bytes,
@@ -150,6 +159,11 @@ class APIServer:
         body = await read_json(request)
         req = parse_request(body, chat)
         lora = self.lora.resolve(req.model)
+        try:
+            header = request.headers.get(TENANT_HEADER)
+            tenant = resolve_tenant(req.extra.get("user"), header, request.get(API_KEY_NAME))
+        except ValueError as e:
+            raise APIError(400, str(e), "user") from None
         constraint, tools = parse_output_rules(body, chat)
         if chat:
             messages, template_tools = prepare_chat(parse_messages(body), tools, self.renders_tools)
@@ -158,7 +172,7 @@ class APIServer:
             prompts = await self.tokenizing.prompt_ids(req.prompts)
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
-        choices = self._add(req, prompts, constraint.spec if constraint else None, lora)
+        choices = self._add(req, prompts, tenant, constraint.spec if constraint else None, lora)
         headers = _warning_headers(constraint)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
@@ -168,6 +182,7 @@ class APIServer:
                     param = constraint.param if constraint else None
                     raise APIError(400, f"{param}: {first.bad_request}", param)
                 if first.finish_reason == "rejected":
+                    self.metrics.tenants.rejected(tenant, "policy")
                     raise APIError(
                         503,
                         f"rejected: {first.stop_reason}",
@@ -202,6 +217,7 @@ class APIServer:
         self,
         req: GenerationRequest,
         prompts: list[list[int]],
+        tenant: str,
         grammar: GrammarSpec | None = None,
         lora: str | None = None,
     ) -> list[Choice]:
@@ -231,21 +247,39 @@ class APIServer:
                         )
                     params = replace(params, max_tokens=room)
                 for i in range(req.n):
-                    stream = self.engine.add_request(
-                        ids,
-                        replace(params, seed=choice_seed(params.seed, i)),
-                        priority=req.priority,
-                        slo=req.slo,
-                        cache_salt=req.cache_salt,
-                        grammar=grammar,
-                        lora=lora,
-                    )
+                    charged = len(ids) + params.max_tokens if self.limiter else 0
+                    self.limiter.take(tenant, charged)
+                    try:
+                        stream = self.engine.add_request(
+                            ids,
+                            replace(params, seed=choice_seed(params.seed, i)),
+                            priority=req.priority,
+                            slo=req.slo,
+                            cache_salt=req.cache_salt,
+                            grammar=grammar,
+                            tenant=tenant,
+                            lora=lora,
+                        )
+                    except BaseException:
+                        self.limiter.give_back(tenant, charged)
+                        raise
+                    self._tenant_of[stream.request_id] = (tenant, charged)
                     choices.append(Choice(p_index * req.n + i, stream, p_index))
+        except TenantLimitError as e:
+            self._close(choices)
+            self.metrics.tenants.rejected(tenant, "rate_limit")
+            raise APIError(
+                429,
+                str(e),
+                kind="rate_limit_exceeded",
+                headers={"Retry-After": str(e.retry_after_s)},
+            ) from None
         except QueueFullError as e:
             self._close(choices)
-            wait = self.capacity.retry_after(
-                self.engine.stats().waiting - max_waiting + len(prompts) * req.n
-            )
+            self.metrics.tenants.rejected(tenant, "queue_full")
+            stats = self.engine.stats()
+            self.metrics.absorb(stats)  # its once-only figures are not lost
+            wait = self.capacity.retry_after(stats.waiting - max_waiting + len(prompts) * req.n)
             raise APIError(
                 429, str(e), kind="rate_limit_exceeded", headers={"Retry-After": str(wait)}
             ) from None
@@ -264,10 +298,12 @@ class APIServer:
             raise
         return choices
 
-    @staticmethod
-    def _close(choices: list[Choice]) -> None:
+    def _close(self, choices: list[Choice]) -> None:
+        """Abandon choices queued before the request failed (their tokens go back)."""
         for choice in choices:
             choice.stream.close()
+            tenant, charged = self._tenant_of.pop(choice.stream.request_id, (DEFAULT_TENANT, 0))
+            self.limiter.give_back(tenant, charged)
 
     # -- responses -----------------------------------------------------------------------
 
@@ -311,6 +347,11 @@ class APIServer:
 
     def _observe(self, c: Choice) -> None:
         m = self.metrics
+        tenant, charged = self._tenant_of.pop(c.stream.request_id, (DEFAULT_TENANT, 0))
+        if c.finish_reason != "rejected":
+            m.tenants.served(tenant, c.prompt_tokens, c.completion_tokens)
+        # What it was charged for and did not generate goes back to its bucket.
+        self.limiter.give_back(tenant, charged - c.prompt_tokens - c.completion_tokens)
         if c.finish_reason is not None:
             self.capacity.finished()
         if c.ttft is not None:

@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from daemon.engine.client import EngineStats
 from daemon.openai.metric_totals import advance
 from daemon.openai.spec_metrics import SpecDecodeMetrics
+from daemon.openai.tenant_metrics import TenantMetrics
 
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -73,6 +74,7 @@ class Metrics:
             "headrace_requests_finished", "Finished requests", ["finish_reason"], registry=r
         )
         self.spec_decode = SpecDecodeMetrics(r)
+        self.tenants = TenantMetrics(r)
 
         self.grammar_compile = Histogram(
             "headrace_grammar_compile_seconds",
@@ -100,9 +102,15 @@ class Metrics:
         advance(self.prefix_queries, stats.prefix_query_tokens)
         advance(self.preemptions, stats.preemptions)
         advance(self.constrained, stats.constrained_requests)
-        for seconds in stats.grammar_compile_seconds:
-            self.grammar_compile.observe(seconds)
         advance(self.grammar_hits, stats.grammar_cache_hits)
         advance(self.grammar_misses, stats.grammar_cache_misses)
         self.spec_decode.update(stats.spec)
+        self.absorb(stats)
         return generate_latest(self.registry)
+
+    def absorb(self, stats: EngineStats) -> None:
+        """Observe what `stats` hands out once (whoever read it: a scrape, or the API)."""
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile.observe(seconds)
+        for tenant, seconds in stats.tenant_queue_seconds:
+            self.tenants.queued(tenant, seconds)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -13,6 +13,12 @@ class APIOptions:
     max_request_bytes: int = 8 << 20
     # When set, every route but /health needs `Authorization: Bearer <key>`.
     api_key: str | None = None
+    # More accepted keys, each with the tenant it names (None: unnamed; --api-key-file).
+    api_keys: dict[str, str | None] = field(default_factory=dict)
+    # Per-tenant token rates (tokens/s; "*" for every tenant not named): over it, 429.
+    tenant_rate_limits: dict[str, float] = field(default_factory=dict)
+    # Tenants with their own label in /metrics (by recent traffic); the rest are "other".
+    tenant_metrics_top_k: int = 8
     # /metrics answers only on the Unix socket (file mode and group control who reads it).
     metrics_unix_only: bool = False
     # Log prompt text (never logged otherwise).

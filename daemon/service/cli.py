@@ -19,6 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
         "manager, timing steps with a cost model instead of a model.",
     )
     sim.add_argument("--policy", default="fcfs", help="scheduling policy (entry-point name)")
+    sim.add_argument(
+        "--tenant-weights",
+        metavar="TENANT=WEIGHT,...",
+        help="fair: each tenant's share (a trace line's `tenant`; synthetic traces: the class)",
+    )
     sim.add_argument("--trace", help="trace file (JSON lines) to replay")
     sim.add_argument("--make-trace", metavar="OUT", help="write a synthetic trace to OUT and exit")
     sim.add_argument(
@@ -122,6 +127,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from plugins import load_policy
     from scheduling.config import SchedulerConfig
     from scheduling.cost_model import StepCostModel
+    from scheduling.policies.fair import parse_tenant_weights
     from scheduling.simulator import simulate
     from scheduling.trace import TraceClass, dump_trace, load_trace, make_trace
 
@@ -134,7 +140,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     if not args.trace:
         raise ValueError("simulate needs --trace FILE (or --make-trace OUT)")
-    policy = load_policy(args.policy)
+    if args.tenant_weights and args.policy != "fair":
+        raise ValueError("--tenant-weights: only the fair policy has them")
+    weights = parse_tenant_weights(args.tenant_weights)
+    policy = load_policy(args.policy, **({"weights": weights} if weights else {}))
     cost = StepCostModel(*map(float, args.cost.split(","))) if args.cost else StepCostModel()
     config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,

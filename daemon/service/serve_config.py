@@ -40,7 +40,19 @@ class ServerConfig:
         "require 'Authorization: Bearer KEY' on every route but /health (visible in ps: "
         "prefer HEADRACE_API_KEY or --api-key-file)",
     )
-    api_key_file: str | None = opt(None, "read the API key from the first line of this file")
+    api_key_file: str | None = opt(
+        None,
+        "read API keys from this file, one a line: KEY, or NAME KEY to name the tenant its "
+        "requests belong to (unless they send `user` or X-Tenant)",
+    )
+    tenant_rate_limits: str | None = opt(
+        None,
+        "per-tenant token rates, TENANT=TOKENS_PER_S,... ('*' for every other tenant): a "
+        "request's prompt + max_tokens beyond its tenant's bucket answers 429 + Retry-After",
+    )
+    tenant_metrics_top_k: int = opt(
+        8, "tenants with their own label in /metrics (by recent traffic); the rest: other"
+    )
     metrics_unix_only: bool = opt(False, "serve /metrics on the Unix socket only")
     max_request_bytes: int = opt(
         8 << 20, "request bodies above this many bytes answer 413 before they are read"

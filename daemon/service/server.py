@@ -25,9 +25,10 @@ from daemon.engine.async_engine import AsyncEngine, runner_executor
 from daemon.engine.client import EngineClient
 from daemon.engine.engine import Engine
 from daemon.openai.api import APIServer
-from daemon.openai.auth import load_api_key
+from daemon.openai.auth import load_api_keys
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
+from daemon.openai.tenant_limits import parse_rate_limits
 from daemon.service.serve_config import ServeConfig, ServerConfig
 from daemon.service.systemd import Notifier, inherited_sockets
 from scheduling import SamplingParams
@@ -88,9 +89,13 @@ async def warm_up(engine: EngineClient) -> None:
 
 
 def api_options(server: ServerConfig) -> APIOptions:
+    keys = load_api_keys(server.api_key, server.api_key_file)
     return APIOptions(
         max_request_bytes=server.max_request_bytes,
-        api_key=load_api_key(server.api_key, server.api_key_file),
+        api_key=next(iter(keys), None),
+        api_keys=keys,
+        tenant_rate_limits=parse_rate_limits(server.tenant_rate_limits),
+        tenant_metrics_top_k=server.tenant_metrics_top_k,
         metrics_unix_only=server.metrics_unix_only,
         log_prompts=server.log_prompts,
         stream_timeout=server.stream_timeout,
