@@ -51,9 +51,7 @@ class Constraint:
 def schema_spec(schema: Any, strict: bool, param: str) -> Constraint:
     """A json_schema constraint after the strict rule (see grammars/schema_support.py)."""
     if schema_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise APIError(
-            400, f"{param}: nested deeper than {MAX_SCHEMA_DEPTH} levels", param
-        )
+        raise APIError(400, f"{param}: nested deeper than {MAX_SCHEMA_DEPTH} levels", param)
     try:
         spec, dropped = GrammarSpec.checked_json_schema(schema, strict)
     except GrammarError as e:
