@@ -27,8 +27,9 @@ from daemon.openai.api import APIServer
 from daemon.openai.auth import load_api_key
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
+from daemon.service.http_protocol import GuardedAppRunner
 from daemon.service.serve_config import ServeConfig, ServerConfig
-from daemon.service.shutdown import Stoppable, drain_and_stop
+from daemon.service.shutdown import CLOSE_S, Stoppable, drain_and_stop
 from daemon.service.systemd import Notifier, inherited_sockets
 from scheduling import SamplingParams
 
@@ -124,8 +125,13 @@ async def serve(config: ServeConfig) -> int:
         profiler = StepProfiler(config.server.profile_steps)
         profiler.attach(engine)
     api = APIServer(async_engine, name, Metrics(), api_options(config.server))
-    runner = web.AppRunner(
-        api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    runner = GuardedAppRunner(
+        api.app(),
+        config.server.max_connections,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=CLOSE_S,
+        keepalive_timeout=config.server.keepalive_timeout,
     )
     await runner.setup()
     sites: list[web.BaseSite] = []
