@@ -15,6 +15,8 @@ from daemon.openai.validation import ValidationError
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
 MAX_N = 16
+# Stop strings per request: each is searched in every delta's text (OpenAI allows 4).
+MAX_STOP = 32
 # max_tokens when a chat request gives none: generate until the context is full (the server
 # lowers it to the room the prompt leaves).
 UNTIL_CONTEXT_ENDS = 1 << 30
@@ -142,6 +144,8 @@ def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise APIError(400, "stop: expected a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} strings, got {len(stop)}", "stop")
     logit_bias = _get(body, "logit_bias", dict, {})
     try:
         bias = {int(k): float(v) for k, v in logit_bias.items()}
