@@ -157,7 +157,7 @@ class APIServer:
                 kind="unavailable",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
-        body = await read_json(request)
+        body = await read_json(request, self.options.body_timeout)
         req = parse_request(body, chat)
         lora = self.lora.resolve(req.model)
         constraint, tools = parse_output_rules(body, chat)

@@ -50,6 +50,9 @@ class ServerConfig:
         "close a connection that has not sent a complete request for this many seconds "
         "(idle keep-alive, nothing sent, or headers sent slowly)",
     )
+    body_timeout: float = opt(
+        30.0, "a generation request whose body has not all arrived within this answers 408"
+    )
     max_connections: int = opt(
         4096,
         "open connections beyond this answer 503 (keep LimitNOFILE above it; 0: no cap)",

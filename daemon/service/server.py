@@ -95,6 +95,7 @@ def api_options(server: ServerConfig) -> APIOptions:
         metrics_unix_only=server.metrics_unix_only,
         log_prompts=server.log_prompts,
         stream_timeout=server.stream_timeout,
+        body_timeout=server.body_timeout,
     )
 
 

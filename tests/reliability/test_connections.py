@@ -14,6 +14,7 @@ from reliability_fixtures import make_engine
 from daemon.engine.async_engine import AsyncEngine
 from daemon.openai.api import APIServer
 from daemon.openai.metrics import Metrics
+from daemon.openai.options import APIOptions
 from daemon.service.http_protocol import GuardedAppRunner
 
 KEEPALIVE_S = 0.5
@@ -24,7 +25,7 @@ CAP = 4
 async def served(tiny):
     engine = AsyncEngine(make_engine(tiny), overlap=False)
     runner = GuardedAppRunner(
-        APIServer(engine, "tiny", Metrics()).app(),
+        APIServer(engine, "tiny", Metrics(), APIOptions(body_timeout=KEEPALIVE_S)).app(),
         CAP,
         handler_cancellation=True,
         access_log=None,
@@ -100,3 +101,13 @@ async def test_half_closed_client_gets_its_answer(tiny):
     async with served(tiny) as port:
         status, body, _ = await request(port, raw, half_close=True)
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+
+
+async def test_slow_body_answers_408(tiny):
+    raw = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": '
+    )
+    async with served(tiny) as port:
+        status, body, _ = await request(port, raw)
+    assert status == 408 and body["error"]["code"] == 408, body
