@@ -15,6 +15,18 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+# Below this a temperature is greedy (vLLM's rule): dividing logits by 1e-300 overflows
+# them to inf, and the sampler's softmax turns that into NaN and garbage.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# A positive top_p below this keeps only the most likely token anyway (its probability is
+# at least 1 / vocabulary size, and no vocabulary reaches 10^6): raised to it, since the
+# float32 sampler reads 1e-320 as 0 and would then keep no token at all.
+MIN_TOP_P = 1e-6
+# No vocabulary is larger; beyond it a tensor of top_k values overflows int64.
+MAX_TOP_K = (1 << 31) - 1
+# Outside this a penalty scales logits to inf or 0 in float32: (0.01, 100) covers every
+# value with an effect worth having (1.0 is off; 1.1-1.5 is usual).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(slots=True)
@@ -57,8 +69,15 @@ class SamplingParams:
             "temperature",
             f"must be >= 0, got {self.temperature}",
         )
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        self.top_p = max(self.top_p, MIN_TOP_P)
+        _check(
+            -1 <= self.top_k <= MAX_TOP_K,
+            "top_k",
+            f"must be -1, 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}",
+        )
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(
@@ -69,10 +88,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        low, high = REPETITION_PENALTY_RANGE
         _check(
-            self.repetition_penalty > 0,
+            low <= self.repetition_penalty <= high,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be in [{low}, {high}], got {self.repetition_penalty}",
         )
         if self.logprobs is not None:
             _check(

@@ -28,7 +28,8 @@ from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 
 
-def build_tiny_model_dir(directory: Path) -> Path:
+def build_tiny_model_dir(directory: Path, **overrides: Any) -> Path:
+    """`overrides` replace config fields (max_position_embeddings for long streams)."""
     tokenizer = load_tokenizer(resolve_model(None))
     make_tiny_hf_model(
         "llama-plain",
@@ -36,6 +37,7 @@ def build_tiny_model_dir(directory: Path) -> Path:
         vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
+        **overrides,
     )
     tokenizer.save_pretrained(directory)
     return directory

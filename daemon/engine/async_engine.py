@@ -107,14 +107,16 @@ class AsyncEngine:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
-    async def stop(self) -> None:
+    async def stop(self, wait: bool = True) -> None:
+        """Stop the loop task. `wait=False` leaves a forward that is still running to end
+        on its own thread (the daemon's stop path must not block on it)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._executor.shutdown(wait=True)
-        self._waiter.shutdown(wait=True)
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._waiter.shutdown(wait=wait, cancel_futures=not wait)
 
     @property
     def num_in_flight_requests(self) -> int:
@@ -172,6 +174,18 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self.engine.abort([request_id])
         self._wake.set()
+
+    def end_all(self, why: str) -> int:
+        """Abort every request that has a reader, and hand each reader a last delta
+        (finish "abort", stop reason `why`), so none waits for tokens that will not come.
+        Returns how many were ended."""
+        ids = list(self._streams)
+        for rid in ids:
+            self._streams.pop(rid).put_nowait(Delta.ending(rid, "abort", why))
+        if ids:
+            self.engine.abort(ids)
+            self._wake.set()
+        return len(ids)
 
     # -- the loop ------------------------------------------------------------------------
 

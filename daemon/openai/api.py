@@ -16,7 +16,9 @@ from daemon.openai.auth import API_KEY_NAME, access
 from daemon.openai.choices import Choice, merged
 from daemon.openai.errors import (
     OPENAI_FINISH_REASONS,
+    RETRY_AFTER_S,
     body_limit,
+    failure,
     json_errors,
     json_response,
 )
@@ -53,7 +55,6 @@ from grammars import GrammarSpec
 from scheduling import DEFAULT_TENANT, QueueFullError
 
 log = logging.getLogger("headrace.api")
-RETRY_AFTER_S = "1"
 
 
 class APIServer:
@@ -71,6 +72,8 @@ class APIServer:
         self.metrics = metrics
         self.options = options = options or APIOptions()
         self.draining = False
+        # Generation handlers running now (a drain waits for them to write their endings).
+        self.active = 0
         self.created = now()
         tokenizer = engine.tokenizer
         self.responses = ResponseBuilder(model_name, tokenizer)
@@ -149,6 +152,13 @@ class APIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._answer(request, chat)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.draining:
             raise APIError(
                 503,
@@ -156,7 +166,7 @@ class APIServer:
                 kind="unavailable",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
-        body = await read_json(request)
+        body = await read_json(request, self.options.body_timeout)
         req = parse_request(body, chat)
         lora = self.lora.resolve(req.model)
         try:
@@ -191,18 +201,14 @@ class APIServer:
                     )
                 if first.finished and first.finish_reason not in OPENAI_FINISH_REASONS:
                     # Nothing sent yet: a plain 500 beats a stream that opens with an error.
-                    raise APIError(
-                        500, f"generation failed: {first.stop_reason}", kind="server_error"
-                    )
+                    raise failure(first.stop_reason)
             if req.stream:
                 return await self._stream(request, req, choices, firsts, chat, tools, headers)
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
             failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
             if failed:
-                raise APIError(
-                    500, f"generation failed: {failed[0].stop_reason}", kind="server_error"
-                )
+                raise failure(failed[0].stop_reason)
             out = self.responses.full_body(req, choices, chat)
             if tools is not None:
                 for item in out["choices"]:

@@ -24,6 +24,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The finish reasons the OpenAI API defines; anything else never reaches a client as one.
 OPENAI_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
+# The stop reason of the requests a drain ends (daemon/service/shutdown.py): a 503.
+SHUTTING_DOWN = "the server is shutting down"
+RETRY_AFTER_S = "1"
 
 _KIND_BY_STATUS = {
     401: "authentication_error",
@@ -44,6 +47,15 @@ def json_response(
 
 def error_response(e: APIError) -> web.Response:
     return json_response(e.body(), e.status, e.headers)
+
+
+def failure(stop_reason: object) -> APIError:
+    """The error for a request that ended without an OpenAI finish reason."""
+    if stop_reason == SHUTTING_DOWN:
+        return APIError(
+            503, SHUTTING_DOWN, kind="unavailable", headers={"Retry-After": RETRY_AFTER_S}
+        )
+    return APIError(500, f"generation failed: {stop_reason}", kind="server_error")
 
 
 def from_http_exception(e: web.HTTPException) -> APIError:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 from typing import Any
 
@@ -19,9 +20,16 @@ def openapi_document() -> dict[str, Any]:
     return orjson.loads(resources.files("daemon.openai").joinpath("openapi.json").read_bytes())
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request, timeout: float | None = None) -> Any:
+    """The body as JSON; 408 when it has not all arrived within `timeout` seconds."""
     try:
-        return orjson.loads(await request.read())
+        data = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise APIError(
+            408, f"body: not received within {timeout:.0f}s (--body-timeout)", kind="timeout"
+        ) from None
+    try:
+        return orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise APIError(400, f"body: invalid JSON: {e}") from None
 

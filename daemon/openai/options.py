@@ -23,6 +23,8 @@ class APIOptions:
     metrics_unix_only: bool = False
     # Log prompt text (never logged otherwise).
     log_prompts: bool = False
+    # A request body not read whole within this many seconds answers 408 (a slow sender).
+    body_timeout: float = 30.0
     # A stream whose client has not taken a chunk for this long is ended (slow reader).
     stream_timeout: float = 60.0
     # Prompts (or chat messages) longer than this many characters are tokenized on a

@@ -15,6 +15,8 @@ from daemon.openai.validation import ValidationError
 from scheduling import SLO, SamplingParams, SamplingParamsError
 
 MAX_N = 16
+# Stop strings per request: each is searched in every delta's text (OpenAI allows 4).
+MAX_STOP = 32
 # max_tokens when a chat request gives none: generate until the context is full (the server
 # lowers it to the room the prompt leaves).
 UNTIL_CONTEXT_ENDS = 1 << 30
@@ -56,8 +58,15 @@ def _get(
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise APIError(400, f"{key}: expected {_name(types)}, got a boolean", key)
     if not isinstance(value, types):
+        if isinstance(value, float) and value.is_integer() and int in _as_tuple(types):
+            # orjson reads integers beyond 64 bits as floats: say what the client sent.
+            raise APIError(400, f"{key}: integer {value:.0f} is out of range (64 bits)", key)
         raise APIError(400, f"{key}: expected {_name(types)}, got {type(value).__name__}", key)
     return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
 
 
 def _name(types: type | tuple[type, ...]) -> str:
@@ -105,18 +114,23 @@ def parse_request(body: Any, chat: bool) -> GenerationRequest:
 
 def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     validation.check_fields(body, "chat" if chat else "completions")
+    # SamplingParams' field -> the body field it came from, where the names differ.
+    renamed: dict[str, str] = {}
     if not chat and body.get("tools") not in (None, []):
         raise APIError(400, "tools: only /v1/chat/completions takes tools", "tools")
     if chat:
         prompts: list[str | list[int]] = []  # filled by the server from the chat template
         max_tokens = _get(body, "max_completion_tokens", int)
-        if max_tokens is None:
+        if max_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        else:
             max_tokens = _get(body, "max_tokens", int)
         wants_logprobs = _get(body, "logprobs", bool, False)
         top = _get(body, "top_logprobs", int)
         if top is not None and not wants_logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         logprobs = (top or 0) if wants_logprobs else None
+        renamed["logprobs"] = "top_logprobs"
     else:
         prompts = _parse_prompt(body.get("prompt"))
         max_tokens = _get(body, "max_tokens", int, 16)
@@ -130,6 +144,8 @@ def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise APIError(400, "stop: expected a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} strings, got {len(stop)}", "stop")
     logit_bias = _get(body, "logit_bias", dict, {})
     try:
         bias = {int(k): float(v) for k, v in logit_bias.items()}
@@ -165,7 +181,9 @@ def _parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
             num_speculative_tokens=num_speculative_tokens,
         )
     except SamplingParamsError as e:
-        raise APIError(400, str(e), e.field) from None
+        param = renamed.get(e.field, e.field)
+        message = str(e).replace(e.field, param, 1)
+        raise APIError(400, message, param) from None
     slo = _parse_slo(_get(body, "slo", dict))
     options = _get(body, "stream_options", dict, {})
     return GenerationRequest(

@@ -7,7 +7,7 @@ from typing import Any
 
 from daemon.engine.outputs import Delta
 from daemon.openai.choices import Choice, LogprobEntry, chat_logprobs, completion_logprobs, merged
-from daemon.openai.errors import OPENAI_FINISH_REASONS
+from daemon.openai.errors import OPENAI_FINISH_REASONS, failure
 from daemon.openai.protocol import GenerationRequest, new_id, now
 from daemon.openai.protocol import usage as openai_usage
 from daemon.openai.token_bytes import TokenBytes
@@ -94,7 +94,8 @@ class ResponseBuilder:
             if delta.finished and delta.finish_reason not in OPENAI_FINISH_REASONS:
                 # The request failed (or was ended by the server): an error event, which the
                 # caller follows with [DONE]; the openai client raises on it.
-                yield stream_error(f"generation failed: {delta.stop_reason}")
+                error = failure(delta.stop_reason)
+                yield stream_error(error.message, error.status, error.kind)
                 return
             if not delta.text and not delta.finished and not delta.new_logprobs:
                 continue

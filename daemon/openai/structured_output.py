@@ -18,6 +18,25 @@ from daemon.openai.protocol import APIError
 from grammars import GrammarError, GrammarSpec
 
 WARNING_HEADER = "X-Headrace-Warning"
+# Deeper schemas answer 400 before any recursive code (a copy, the compiler) sees them:
+# ~300 levels ran Python out of recursion in deepcopy (a 500). Real schemas nest < 20.
+MAX_SCHEMA_DEPTH = 64
+
+
+def schema_depth(value: Any, limit: int) -> int:
+    """How deeply objects and arrays nest in `value`, counted without recursion and
+    given up past `limit` (returns limit + 1)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict | list):
+            continue
+        if depth > limit:
+            return limit + 1
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @dataclass(slots=True)
@@ -31,6 +50,8 @@ class Constraint:
 
 def schema_spec(schema: Any, strict: bool, param: str) -> Constraint:
     """A json_schema constraint after the strict rule (see grammars/schema_support.py)."""
+    if schema_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise APIError(400, f"{param}: nested deeper than {MAX_SCHEMA_DEPTH} levels", param)
     try:
         spec, dropped = GrammarSpec.checked_json_schema(schema, strict)
     except GrammarError as e:

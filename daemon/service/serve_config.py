@@ -57,6 +57,18 @@ class ServerConfig:
     max_request_bytes: int = opt(
         8 << 20, "request bodies above this many bytes answer 413 before they are read"
     )
+    keepalive_timeout: float = opt(
+        5.0,
+        "close a connection that has not sent a complete request for this many seconds "
+        "(idle keep-alive, nothing sent, or headers sent slowly)",
+    )
+    body_timeout: float = opt(
+        30.0, "a generation request whose body has not all arrived within this answers 408"
+    )
+    max_connections: int = opt(
+        4096,
+        "open connections beyond this answer 503 (keep LimitNOFILE above it; 0: no cap)",
+    )
     stream_timeout: float = opt(
         60.0, "end a stream whose client has taken no data for this many seconds"
     )

@@ -54,6 +54,9 @@ class Notifier:
         self.notify(f"STATUS={status}")
 
     def stopping(self, status: str = "draining") -> None:
+        """STOPPING=1, and no more watchdog pings: from here systemd's stop timeout
+        governs, and a stop path that hangs must not look alive."""
+        self.watchdog_interval = None
         self.notify("STOPPING=1", f"STATUS={status}")
 
     def watchdog(self) -> None:

@@ -47,6 +47,18 @@ class SchemaStrategies:
         s = self.resolve(schema)
         if "enum" in s:
             return st.sampled_from(s["enum"])
+        if "oneOf" in s and "properties" in s:
+            # An object whose alternatives only add required fields (TokenizeRequest).
+            rest = {k: v for k, v in s.items() if k != "oneOf"}
+            return st.one_of(
+                [
+                    self._object(
+                        {**rest, "required": [*rest.get("required", ()), *o["required"]]},
+                        depth,
+                    )
+                    for o in s["oneOf"]
+                ]
+            )
         if "oneOf" in s:
             return st.one_of([self.conforming(o, depth + 1) for o in s["oneOf"]])
         kind = s.get("type")

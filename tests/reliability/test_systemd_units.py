@@ -41,6 +41,7 @@ def test_hardening_directives():
     assert s["DevicePolicy"] == ["closed"]
     assert s["UMask"] == ["0077"]
     assert s["CacheDirectory"] == ["headrace"]
+    assert int(s["LimitNOFILE"][0]) > 4096  # above the default --max-connections
     assert "HEADRACE_CACHE_DIR" not in "".join(s.get("Environment", []))
     assert "/dev/nvidiactl rw" in (UNITS / "examples" / "cuda.conf").read_text()
     assert "IPAddressAllow=localhost" in (UNITS / "examples" / "localhost-only.conf").read_text()

@@ -38,7 +38,7 @@ BAD_COMPLETIONS = [
 ]
 
 BAD_CHAT = [
-    ({"messages": CHAT, "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_tokens"),
+    ({"messages": CHAT, "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_completion_tokens"),
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
@@ -69,8 +69,8 @@ async def test_bad_chat_bodies_answer_400_naming_the_field(tiny):
         for body, status, field in BAD_CHAT:
             got, data = await post(client, "/v1/chat/completions", body)
             assert got == status, (body, data)
-            assert data["error"]["param"] in (field, "max_tokens", "messages"), (body, data)
-            if field not in ("max_tokens", "messages"):
+            assert data["error"]["param"] in (field, "messages"), (body, data)
+            if field != "messages":
                 assert field in data["error"]["message"]
 
 
