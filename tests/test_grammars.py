@@ -274,3 +274,29 @@ def test_bitmask_applies_to_the_listed_rows_only():
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [64]
     assert out[3, 64] == logits[3, 64]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text", "ok"),
+    [
+        ("a.b", "axb", True),
+        ("a.b", "a\nb", False),  # `.` stops at a newline, as in Python and JavaScript
+        ("(?s)a.b", "a\nb", True),  # ... unless the pattern sets the s flag
+        ("a[.]b", "a.b", True),
+        ("a(\\.[0-9]+)?", "a12", False),  # xgrammar alone accepts this one
+        ("a(\\.[0-9]+)?", "a.12", True),
+        ("a(\\.[0-9]+)?", "a", True),
+    ],
+)
+def test_guided_regex_dialect(compiler, tokenizer, pattern, text, ok):
+    m = xgr.GrammarMatcher(compiler.compile(GrammarSpec("regex", pattern)))
+    assert (m.accept_string(text) and m.is_completed()) == ok
+
+
+def test_optional_groups_work_around_xgrammar(compiler):
+    schema = {"type": "string", "pattern": "^a(\\.[0-9]+)?$"}
+    # The fault the rewrite avoids (this fails once it is fixed upstream)...
+    assert _raw_accepts(compiler, schema, "a12")
+    # ... and with the rewrite the dot is required again.
+    assert not _accepts(compiler.compile(GrammarSpec.json_schema(schema)), "a12")
+    assert _accepts(compiler.compile(GrammarSpec.json_schema(schema)), "a.12")

@@ -19,7 +19,7 @@ import orjson
 
 from grammars.schema.formats import FORMAT_LENGTHS, FORMAT_PATTERNS
 from grammars.schema.merge import NF, any_of
-from grammars.schema.regex import PatternError, full_match_pattern, not_any_of
+from grammars.schema.regex import PatternError, full_match_pattern, not_any_of, optional_groups
 
 if TYPE_CHECKING:
     from grammars.schema.normalize import Normalizer
@@ -160,13 +160,14 @@ def _object(node: dict[str, Any], norm: Normalizer, path: str) -> NF:
     if any(s is False for s in patterns.values()) and extra not in (None, False):
         norm.policy.refuse("patternProperties", path, "a false pattern next to "
                            "additionalProperties is not enforced")  # fmt: skip
-    patterns = {p: s for p, s in patterns.items() if s is not False}
+    patterns = _full_patterns({p: s for p, s in patterns.items() if s is not False}, norm, path)
     if len(patterns) > 1:
         first = next(iter(patterns.values()))
         if any(s != first for s in patterns.values()):
             norm.policy.refuse("patternProperties", path, "several patterns with different "
                                "schemas are not enforced")  # fmt: skip
-        patterns = {"|".join(f"({p})" for p in patterns): first}
+        # Full-match patterns are ^(...)$: their bodies join as alternatives.
+        patterns = {"^(" + "|".join(p[1:-1] for p in patterns) + ")$": first}
     for name in props:
         for pattern, sub in patterns.items():
             if re.search(pattern, name) and norm.merge(props[name], sub, path) != sub:
@@ -188,11 +189,11 @@ def _object(node: dict[str, Any], norm: Normalizer, path: str) -> NF:
         extra = None
     if extra not in (None, False) and forbidden:
         # The forbidden names must not come back through `additionalProperties`.
-        patterns, extra = {not_any_of([*props, *forbidden]): extra}, None
+        patterns, extra = {optional_groups(not_any_of([*props, *forbidden])): extra}, None
     if props:
         node["properties"] = props
     if patterns:
-        node["patternProperties"] = _full_patterns(patterns, norm, path)
+        node["patternProperties"] = patterns
     if extra is not None:
         node["additionalProperties"] = extra
     return node

@@ -20,7 +20,7 @@ from typing import Any
 import referencing.exceptions
 from referencing import Registry, Specification
 from referencing._core import Resolver
-from referencing.jsonschema import DRAFT202012, specification_with
+from referencing.jsonschema import DRAFT201909, DRAFT202012, specification_with
 
 from grammars.schema.errors import SchemaRefusal
 
@@ -41,7 +41,11 @@ MAX_NODES = 20_000
 def resolve_refs(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` with every ref resolved (see the module docstring); SchemaRefusal if not."""
     dialect = schema.get("$schema")
-    spec = specification_with(dialect, default=DRAFT202012) if dialect else DRAFT202012
+    if dialect:
+        spec = specification_with(dialect, default=DRAFT202012)
+    else:
+        # Undeclared: 2020-12, unless the schema spells items as an array (2019-09 and older).
+        spec = DRAFT201909 if has_items_array(schema) else DRAFT202012
     resource = spec.create_resource(schema)
     uri = resource.id() or ""
     registry = Registry().with_resource(uri, resource).crawl()
@@ -120,6 +124,12 @@ class _Bundler:
         # Keywords next to a ref apply too (2019-09 on; earlier drafts ignore them: obeying
         # them as well only narrows the output).
         return {"allOf": [target, out]} if out else target
+
+
+def has_items_array(node: Any) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("items"), list) or any(has_items_array(v) for v in node.values())
+    return isinstance(node, list) and any(has_items_array(v) for v in node)
 
 
 def _escape(name: str) -> str:

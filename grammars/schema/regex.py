@@ -50,9 +50,13 @@ def _check_supported(tokens: list[tuple[int, str, bool]]) -> None:
             # \D, \W, \S mean different sets in ECMA-262 and Python; xgrammar's are wider
             # than one of them. Backreferences and word boundaries are not regular.
             raise PatternError(f"{text!r} (at {i}) is not enforced exactly")
-    for (i, text, in_class), nxt in zip(tokens, [*tokens[1:], (0, "", False)]):
-        if not in_class and text == "(" and nxt[1] == "?":
+    for (i, text, in_class), nxt, after in zip(
+        tokens, [*tokens[1:], (0, "", False)], [*tokens[2:], (0, "", False), (0, "", False)]
+    ):
+        if not in_class and text == "(" and nxt[1] == "?" and after[1] != ":":
             raise PatternError(f"group syntax '(?' (at {i}) is not supported (use (...))")
+        if not in_class and text == ")" and nxt[1] == "?" and after[1] in ("?", "+"):
+            raise PatternError(f"lazy or possessive '?' (at {nxt[0]}) is not supported")
 
 
 def full_match_pattern(pattern: str) -> str:
@@ -78,7 +82,7 @@ def full_match_pattern(pattern: str) -> str:
         depth += text == "("
         depth -= text == ")"
         alternation |= text == "|" and depth == 0
-    body = _with_dot(body, inner, ".")
+    body = optional_groups(_with_dot(body, inner, "."))
     if alternation:
         # Each alternative matched whole: a subset of the search (which may add text around).
         return f"^({body})$"
@@ -97,11 +101,32 @@ def _with_dot(pattern: str, tokens: list[tuple[int, str, bool]], dot: str) -> st
     return "".join(out)
 
 
+def optional_groups(pattern: str) -> str:
+    """Every optional group `(X)?` written `(X|)`.
+
+    NOTE: xgrammar 0.2.9 compiles `(X)?` wrongly when X holds a quantifier (`(\\.[0-9]+)?`
+    also accepts the digits without the dot); `(X|)` means the same and compiles right.
+    """
+    tokens = _scan(pattern)
+    out, last = [], 0
+    for (i, text, in_class), nxt in zip(tokens, [*tokens[1:], (len(pattern), "", False)]):
+        if not in_class and text == ")" and nxt[1] == "?":
+            out.append(pattern[last:i])
+            out.append("|)")
+            last = nxt[0] + 1
+    out.append(pattern[last:])
+    return "".join(out)
+
+
 def regex_dot(pattern: str) -> str:
-    """A `guided_regex` with `.` matching anything but a newline, unless it starts `(?s)`."""
+    """A `guided_regex` with `.` matching anything but a newline, unless it starts `(?s)`.
+
+    Optional groups are rewritten as in `optional_groups` (the same xgrammar fault).
+    """
     if pattern.startswith("(?s)"):
-        return "(" + _with_dot(pattern[4:], _scan(pattern[4:]), "[\\s\\S]") + ")"
-    return _with_dot(pattern, _scan(pattern), "[^\\n]")
+        body = pattern[4:]
+        return "(" + optional_groups(_with_dot(body, _scan(body), "[\\s\\S]")) + ")"
+    return optional_groups(_with_dot(pattern, _scan(pattern), "[^\\n]"))
 
 
 def escape(text: str) -> str:

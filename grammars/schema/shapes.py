@@ -15,15 +15,18 @@ TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 # The keywords that describe each type, as the normal form keeps them.
 KEYWORDS: dict[str, tuple[str, ...]] = {
     "string": ("minLength", "maxLength", "pattern", "format"),
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
-    "integer": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+               "format"),
+    "integer": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                "format"),
     "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems",
               "unevaluatedItems"),
     "object": ("properties", "required", "additionalProperties", "patternProperties",
                "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties",
                "dependentRequired", "dependentSchemas"),
 }  # fmt: skip
-_IMPLIED = {k: t for t, ks in KEYWORDS.items() if t != "integer" for k in ks}
+_IMPLIED = {k: t for t, ks in KEYWORDS.items() if t != "integer" for k in ks if k != "format"}
+_IMPLIED["format"] = "string"
 
 
 def upgrade(node: dict[str, Any]) -> dict[str, Any]:
