@@ -45,6 +45,11 @@ RAW_LEAKS = [
     ("not", {"type": "integer", "not": {"const": 3}}, 3),
     ("if", {"type": "integer", "if": {"minimum": 3}, "else": {"const": 0}}, 1),
     ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1]),
+    (
+        "minContains",
+        {"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}, "minContains": 2},
+        [5, 1],
+    ),
     ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, "!!"),
     ("$dynamicRef", {"$dynamicRef": "#x"}, 1),
     ("format", {"type": "string", "format": "iri"}, "a b"),
@@ -127,13 +132,13 @@ def test_listed_keywords_all_have_a_probe():
 def test_strict_rule_walks_nested_schemas_and_rewrites_loose_formats(compiler):
     schema = {
         "type": "object",
-        "properties": {"a": {"type": "array", "items": {"contains": {"type": "integer"}}}},
+        "properties": {"a": {"type": "array", "items": {"contains": {}, "minContains": 2}}},
         "$defs": {"d": {"type": "string", "format": "date"}},
     }
-    with pytest.raises(ValueError, match="#/properties/a/items/contains"):
+    with pytest.raises(ValueError, match="#/properties/a/items/minContains"):
         check_schema(schema, strict=True)
     checked, dropped = check_schema(schema, strict=False)
-    assert dropped == ["#/properties/a/items/contains"]
+    assert dropped == ["#/properties/a/items/minContains"]
     assert "$defs" not in checked  # resolved: nothing refers to it
     date = compiler.compile(GrammarSpec.json_schema({"type": "string", "format": "date"}))
     for text, ok in [('"2024-02-29"', True), ('"2023-02-29"', False), ('"2023-04-31"', False)]:

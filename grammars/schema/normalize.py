@@ -23,9 +23,8 @@ from grammars.schema.negate import complement
 
 # Assertions no normal form expresses (refused when strict).
 UNENFORCED = {
-    "contains": "array 'contains' is not enforced",
-    "minContains": "array 'contains' is not enforced",
-    "maxContains": "array 'contains' is not enforced",
+    "minContains": "array 'minContains'/'maxContains' is not enforced",
+    "maxContains": "array 'minContains'/'maxContains' is not enforced",
     "contentEncoding": "content keywords are not enforced",
     "contentMediaType": "content keywords are not enforced",
     "contentSchema": "content keywords are not enforced",
@@ -98,6 +97,8 @@ class Normalizer:
             acc = self.negate(acc, node["not"], path)
         if "if" in node:
             acc = self.conditional(acc, node, path)
+        if "contains" in node:
+            acc = self.contains(acc, node["contains"], path)
         for name, extra in shapes.dependencies(node):
             acc = self.merge(acc, self.dependency(name, extra, path), path)
         return acc
@@ -167,6 +168,23 @@ class Normalizer:
             self.merge(non_object, then, path),
         ]
         return self.merge(acc, any_of(branches), path)
+
+    def contains(self, acc: NF, sub: Any, path: str) -> NF:
+        """`contains` enforced by narrowing: one of the first few items is the match.
+
+        The output may hold a match anywhere; the grammar asks for it at the first position
+        where the array's own items allow one (0..3), which satisfies the keyword.
+        """
+        match = self.normalize(sub, f"{path}/contains")
+        for k in range(4):
+            at_k = {"type": "array", "prefixItems": [{}] * k + [match], "minItems": k + 1}
+            merged = self.merge(acc, at_k, path)
+            branches = merged.get("anyOf", [merged]) if isinstance(merged, dict) else []
+            # A `false` item at or before k: no array of that branch can hold the match there.
+            if any(False not in b.get("prefixItems", [])[: k + 1] for b in branches):
+                return merged
+        self.policy.refuse("contains", path, "no item of the first four can match contains")
+        return acc
 
     def dependency(self, name: str, extra: Any, path: str) -> NF:
         """A dependentRequired / dependentSchemas entry: name absent, or present and `extra`."""

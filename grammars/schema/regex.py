@@ -9,8 +9,9 @@ equivalent (or narrower) full-match one and refuses what it cannot translate.
 
 from __future__ import annotations
 
-# Any character but line terminators: what `.` means in JavaScript (and a subset of Python's).
-ANY_CHAR = "[^\\n\\r\\u2028\\u2029]"
+# Any character but line terminators: what `.` means in a JSON-schema pattern to xgrammar
+# (and in JavaScript; a subset of Python's).
+ANY_CHAR = "."
 _META = set("\\^$.|?*+()[]{}/")
 
 
