@@ -23,6 +23,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from grammars.schema.regex import regex_dot
 from grammars.spec import GrammarError, GrammarSpec, clean_compiler_message
 
 
@@ -125,7 +126,7 @@ class GrammarCompiler:
                 spec.text, any_whitespace=False, separators=(",", ":"), strict_mode=True
             )
         if spec.kind == "regex":
-            return c.compile_regex(spec.text)
+            return c.compile_regex(regex_dot(spec.text))
         if spec.kind == "choice":
             return c.compile_grammar(spec.ebnf())
         if spec.kind == "grammar":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from daemon.openai.errors import (
     json_response,
 )
 from daemon.openai.extra_endpoints import ExtraEndpoints, read_json
+from daemon.openai.generic_tools import GenericToolParser
 from daemon.openai.lora import LoRAEndpoints
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
@@ -202,22 +204,47 @@ class APIServer:
                 if first.finished and first.finish_reason not in OPENAI_FINISH_REASONS:
                     # Nothing sent yet: a plain 500 beats a stream that opens with an error.
                     raise failure(first.stop_reason)
+            check = self._output_check(constraint)
             if req.stream:
-                return await self._stream(request, req, choices, firsts, chat, tools, headers)
+                return await self._stream(
+                    request, req, choices, firsts, chat, tools, headers, check
+                )
             async for choice, delta in merged(choices, []):
                 choice.add(delta)
             failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
             if failed:
                 raise failure(failed[0].stop_reason)
+            for choice in choices if check is not None else []:
+                if (problem := check(choice)) is not None:
+                    raise APIError(500, problem, kind="server_error")
             out = self.responses.full_body(req, choices, chat)
             if tools is not None:
                 for item in out["choices"]:
-                    rewrite_message(item, tools, self.tool_parser)
+                    rewrite_message(item, tools, self._tools_parser())
             return json_response(out, headers=headers)
         finally:
             for choice in choices:
                 choice.stream.close()
                 self._observe(choice)
+
+    def _tools_parser(self) -> ToolParser:
+        """The configured parser, or the generic JSON one when the template has no tools."""
+        return self.tool_parser if self.renders_tools else GenericToolParser()
+
+    def _output_check(self, constraint: Constraint | None) -> Callable[[Choice], str | None] | None:
+        """The safety net for strict schemas (daemon/openai/output_check.py), counting failures."""
+        if constraint is None or constraint.check is None:
+            return None
+        output_check = constraint.check
+
+        def check(choice: Choice) -> str | None:
+            failure = output_check.failure(choice.text, choice.finish_reason)
+            if failure is not None:
+                self.metrics.grammar_validation_failures.inc()
+                log.error("strict output failed validation: %s", failure)
+            return failure
+
+        return check
 
     def _add(
         self,
@@ -322,6 +349,7 @@ class APIServer:
         chat: bool,
         tools: ToolRequest | None = None,
         headers: dict[str, str] | None = None,
+        check: Callable[[Choice], str | None] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -332,9 +360,9 @@ class APIServer:
         )
         await resp.prepare(request)
         timeout = self.options.stream_timeout
-        events = self.responses.events(req, choices, firsts, chat)
+        events = self.responses.events(req, choices, firsts, chat, check)
         if tools is not None:
-            events = stream_tool_calls(events, tools, self.tool_parser)
+            events = stream_tool_calls(events, tools, self._tools_parser())
         try:
             async for payload in events:
                 # A client that stops reading blocks this write once the socket buffer is

@@ -88,6 +88,12 @@ class Metrics:
         self.grammar_misses = Counter(
             "headrace_grammar_cache_misses", "Grammar compile cache misses since start", registry=r
         )
+        # Advanced by the API: strict outputs failing jsonschema (daemon/openai/output_check.py).
+        self.grammar_validation_failures = Counter(
+            "headrace_grammar_validation_failures",
+            "Strict structured outputs that ended with stop but failed schema validation",
+            registry=r,
+        )
         self.constrained = Counter(
             "headrace_constrained_requests",
             "Requests with structured output or a forced tool call, since start",

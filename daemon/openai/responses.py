@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from daemon.engine.outputs import Delta
@@ -64,9 +64,18 @@ class ResponseBuilder:
         )
 
     async def events(
-        self, req: GenerationRequest, choices: list[Choice], firsts: list[Delta], chat: bool
+        self,
+        req: GenerationRequest,
+        choices: list[Choice],
+        firsts: list[Delta],
+        chat: bool,
+        check: Callable[[Choice], str | None] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """The SSE payloads of one streamed request, in order."""
+        """The SSE payloads of one streamed request, in order.
+
+        `check(choice)` runs on each finished choice before its last chunk: a message means
+        the output may not count as a success, and an error event takes that chunk's place.
+        """
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -96,6 +105,10 @@ class ResponseBuilder:
                 # caller follows with [DONE]; the openai client raises on it.
                 error = failure(delta.stop_reason)
                 yield stream_error(error.message, error.status, error.kind)
+                return
+            problem = check(choice) if check is not None and delta.finished else None
+            if problem is not None:
+                yield stream_error(problem)
                 return
             if not delta.text and not delta.finished and not delta.new_logprobs:
                 continue

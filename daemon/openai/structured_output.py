@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from daemon.openai.output_check import OutputCheck
 from daemon.openai.protocol import APIError
 from grammars import GrammarError, GrammarSpec
 
@@ -46,6 +49,8 @@ class Constraint:
     spec: GrammarSpec
     param: str
     warnings: list[str] = field(default_factory=list)
+    # Strict json_schema constraints: the output is validated before it counts as success.
+    check: OutputCheck | None = None
 
 
 def schema_spec(schema: Any, strict: bool, param: str) -> Constraint:
@@ -57,7 +62,9 @@ def schema_spec(schema: Any, strict: bool, param: str) -> Constraint:
     except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param) from None
     warnings = [f"{param}: not enforced, dropped: {where}" for where in dropped]
-    return Constraint(spec, param, warnings)
+    if isinstance(schema, str):
+        schema = orjson.loads(schema)  # parsed fine above
+    return Constraint(spec, param, warnings, OutputCheck(schema) if strict else None)
 
 
 def parse_constraint(body: dict[str, Any]) -> Constraint | None:

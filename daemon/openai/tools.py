@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import orjson
 
+from daemon.openai.generic_tools import generic_tools_note
+from daemon.openai.output_check import OutputCheck
 from daemon.openai.protocol import APIError
 from daemon.openai.structured_output import Constraint, parse_constraint, schema_spec
 from daemon.openai.tool_parsers import ParsedToolCall, ToolParser, parse_call_json
@@ -116,23 +118,24 @@ def _call_constraint(functions: list[dict[str, Any]]) -> Constraint:
     """{"name": <one of them>, "arguments": <its parameters>}; name first, so it streams first."""
     branches = []
     warnings: list[str] = []
+    all_strict = True
     for i, fn in enumerate(functions):
         strict = fn.get("strict") is not False
+        all_strict &= strict
         checked = schema_spec(fn["parameters"], strict, f"tools[{i}].function.parameters")
         warnings += checked.warnings
+        # A strict schema passed as sent (normalised once, below); else what was kept of it.
+        params = fn["parameters"] if strict else orjson.loads(checked.spec.text)
         branches.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": fn["name"]},
-                    "arguments": orjson.loads(checked.spec.text),
-                },
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
                 "required": ["name", "arguments"],
             }
         )
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
     out = schema_spec(schema, False, "tools")
-    return Constraint(out.spec, "tools", warnings)
+    return Constraint(out.spec, "tools", warnings, OutputCheck(schema) if all_strict else None)
 
 
 # -- the prompt ---------------------------------------------------------------------------
@@ -158,13 +161,6 @@ def prepare_chat(
     does not gets the history as text: past calls as `<tool_call>` blocks, and for a forced
     call a system note that lists the tools.
     """
-    if tools is not None and tools.mode == "auto" and not renders_tools:
-        raise APIError(
-            400,
-            'tool_choice: "auto" needs a chat template that renders tools; this model\'s '
-            'does not: send tool_choice "required" or a named function',
-            "tool_choice",
-        )
     out = []
     for m in messages:
         m = dict(m)
@@ -184,10 +180,15 @@ def prepare_chat(
     template_tools = [{"type": "function", "function": f} for f in tools.functions]
     if renders_tools:
         return out, template_tools
-    note = (
-        "You can call these functions. Answer with one call as JSON "
-        '{"name": ..., "arguments": {...}}.\n' + orjson.dumps(tools.functions).decode()
-    )
+    if tools.mode == "auto":
+        # No native format: the generic one (daemon/openai/generic_tools.py), read back by
+        # its parser.
+        note = generic_tools_note(tools.functions)
+    else:
+        note = (
+            "You can call these functions. Answer with one call as JSON "
+            '{"name": ..., "arguments": {...}}.\n' + orjson.dumps(tools.functions).decode()
+        )
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}"}
     else:
