@@ -75,9 +75,7 @@ class WorkerProcess:
         if self._conn is None:
             self._start()
 
-    def run(
-        self, job: CompileJob, limit_s: float, stop: Callable[[], bool]
-    ) -> tuple[str, str]:
+    def run(self, job: CompileJob, limit_s: float, stop: Callable[[], bool]) -> tuple[str, str]:
         """Send `job` and wait: ("ok", json) | ("error", why) | ("timeout", "") | ("left", "").
 
         "timeout": the compile itself ran past `limit_s`; "left": `stop()` turned true (its
@@ -117,8 +115,8 @@ class CompilePool:
     """`workers` compile processes serving a FairQueue; results come back on job futures.
 
     `on_result(job, status, compiled_or_None, seconds)` runs on the slot thread before the
-    future is set (the cache stores it there); status is "ok", "error", "timeout" or "left". Each compile gets `limit_s` seconds of its own; time in
-    the queue does not count.
+    future is set (the cache stores it there); status is "ok", "error", "timeout" or "left".
+    Each compile gets `limit_s` seconds of its own; time in the queue does not count.
     """
 
     def __init__(
