@@ -81,16 +81,45 @@ class CpuFeatures:
 
 
 def read_cpu_flags() -> set[str]:
-    """The `flags` line of /proc/cpuinfo (Linux); elsewhere what torch's dispatcher reports."""
+    """The `flags` line of /proc/cpuinfo (Linux); elsewhere what torch's cpuinfo reports.
+
+    NOTE: where /proc/cpuinfo is hidden (systemd's ProcSubset=pid) torch's own cpuinfo
+    fails too (it parses the same file): every query says "no", and ATen itself dispatches
+    its DEFAULT, unvectorised kernels. That is logged loudly; daemon/units/ does not hide it.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx2", "avx512", ...
-    return {"avx2"} | ({"avx512f"} if "avx512" in cap else set())
+    except OSError as e:
+        log.warning(
+            "CPU flags: /proc/cpuinfo is not readable (%s; systemd ProcSubset=pid hides it): "
+            "torch sees capability %s, so dtype auto and the CPU kernels choose from what "
+            "it reports; give the process /proc/cpuinfo to serve the benchmarked engine",
+            e.strerror,
+            torch.backends.cpu.get_cpu_capability(),
+        )
+    return torch_cpu_flags()
+
+
+def torch_cpu_flags() -> set[str]:
+    """The flags we use, as torch's cpuinfo (cpuid) reports them, named as /proc/cpuinfo."""
+    cpu = torch.cpu
+    checks = {
+        "avx2": "_is_avx2_supported",
+        "avx512f": "_is_avx512_supported",
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx_bf16": "_is_amx_tile_supported",
+        "avx512_vnni": "_is_vnni_supported",
+    }
+    flags = {name for name, fn in checks.items() if getattr(cpu, fn, lambda: False)()}
+    cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx2", "avx512", "default"
+    if "avx2" in cap or "avx512" in cap:
+        flags.add("avx2")
+    if "avx512" in cap:
+        flags.add("avx512f")
+    return flags
 
 
 @dataclass(slots=True)
