@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from runner.thread_governor import ThreadGovernor, read_idle_seconds
 
 
@@ -88,7 +90,7 @@ def test_without_proc_stat_the_team_is_probed_with_a_growing_wait():
     busy = [m.run_step(gov, 0.05, cpu_share=0.5, idle_cores=0.0) for _ in range(400)]
     assert busy[-1] == 1 or busy[-2] == 1
     # Probes (runs of 2) after 1, 2 then 4 s of single-thread steps (80 steps) at most.
-    teams = sum(1 for a, b in zip(busy, busy[1:]) if a == 1 and b == 2)
+    teams = sum(1 for a, b in itertools.pairwise(busy) if a == 1 and b == 2)
     assert 3 <= teams <= 6, teams
     assert busy.count(2) <= 7 * (teams + 1)  # each probe is one 0.3 s window of 50 ms steps
     # The neighbour leaves: the next probe finds the cores free and keeps them.

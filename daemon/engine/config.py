@@ -111,6 +111,13 @@ class EngineConfig:
     kv_disk_dir: str | None = opt(
         None, "disk connector: folder of the persistent KV tier (default: <cache dir>/kv)"
     )
+    deterministic: bool = opt(
+        False,
+        "batch-invariant greedy: a request's output does not depend on its batch-mates (one "
+        "linear path for every batch size: no small-batch int8 copies, calls padded to the "
+        "row count from which the matmul kernels agree; fixed thread count). Off: outputs "
+        "may change with batch composition (see README)",
+    )
     grammar_cache_mb: float = opt(
         256.0,
         "MiB of compiled grammars kept for reuse, counted by xgrammar's own memory figure "

@@ -119,6 +119,10 @@ class Engine:
             self.kv_connector.worker if self.kv_connector else None,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
+        if config.deterministic:
+            from runner.batch_invariance import make_attention_batch_invariant
+
+            make_attention_batch_invariant(self.runner.attn_backend)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self.info = ModelInfo(
             self.model_name,
@@ -433,7 +437,9 @@ def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
     governor = ThreadGovernor(threads)
     # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
     passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    return governor if config.thread_governor and governor.enabled and not passive else None
+    # --deterministic: a fixed team (the kernels' split of the work follows it).
+    governed = config.thread_governor and not config.deterministic
+    return governor if governed and governor.enabled and not passive else None
 
 
 def make_policy(config: EngineConfig) -> Policy:
