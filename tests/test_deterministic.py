@@ -6,8 +6,8 @@ import pytest
 import torch
 from model_fixtures import engine_for
 
-from daemon.engine_config import EngineConfig
-from daemon.loaded_model import LoadedModel
+from daemon.engine.config import EngineConfig
+from daemon.engine.loaded_model import LoadedModel
 from runner.batch_invariance import invariant_from, padded
 from runner.layers.linear import Linear
 from scheduling import SamplingParams
