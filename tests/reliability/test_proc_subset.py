@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).parents[2] / "daemon" / "units" / "headrace.service"
+UNIT = Path(__file__).parents[2] / "daemon" / "service" / "units" / "headrace.service"
 PROBE = """
 import json, logging, torch
 logging.basicConfig(level=logging.WARNING)
@@ -31,7 +31,7 @@ def _detect(proc_subset_pid: bool) -> tuple[dict, str]:
         # What ProcSubset=pid mounts: a procfs with the process directories only.
         mount = 'mount -t proc -o subset=pid proc /proc && exec "$@"'
         cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", *cmd]
-    env = {**os.environ, "PYTHONPATH": str(UNIT.parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
