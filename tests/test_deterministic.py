@@ -46,15 +46,27 @@ def engine(tmp_path_factory):
     return engine_for(loaded, max_num_batched_tokens=32, kv_cache_memory=16 << 20, **cfg)
 
 
+def run(engine, prompts: list[str], params: SamplingParams) -> list[list]:
+    """Each request's tokens with their logprobs (floats compared bit for bit: a greedy
+    token can survive a rounding change, its logprob does not)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    out: dict[str, list] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out[d.request_id] += list(zip(d.new_token_ids, d.new_logprobs or [], strict=True))
+    engine.release_finished()
+    return [out[rid] for rid in ids]
+
+
 def test_16_greedy_streams_together_equal_their_solo_runs(engine):
     assert engine.governor is None  # a fixed team
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    solo = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
-    together = [c.token_ids for c in engine.generate(PROMPTS, params)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    solo = [run(engine, [p], params)[0] for p in PROMPTS]
+    together = run(engine, PROMPTS, params)
+    assert all(len(s) == 6 for s in solo)
     assert together == solo
     # Pairs, in another order (other batch sizes, other chunk boundaries).
-    pairs = [c.token_ids for c in engine.generate(PROMPTS[::-1][:2], params)]
-    assert pairs == solo[::-1][:2]
+    assert run(engine, PROMPTS[::-1][:2], params) == solo[::-1][:2]
 
 
 def test_small_calls_are_padded_to_the_kernel_of_large_ones():
