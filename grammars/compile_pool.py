@@ -165,7 +165,7 @@ class CompilePool:
             w.kill()
 
     def _slot(self, worker: WorkerProcess) -> None:
-        while True:
+        while not self._closed:
             # (Re)start the worker while no job waits on it: a start is not compile time.
             try:
                 worker.ensure_started()
