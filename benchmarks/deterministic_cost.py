@@ -25,7 +25,10 @@ from scheduling import SamplingParams
 
 
 def run(cfg: EngineConfig, args: argparse.Namespace) -> dict[int, tuple[float, int]]:
-    engine = Engine(cfg, LoadedModel.load(cfg))
+    loaded = LoadedModel.load(cfg)
+    if loaded.platform is not None:
+        print(f"  {loaded.platform.describe()}", flush=True)
+    engine = Engine(cfg, loaded)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     out = {}
