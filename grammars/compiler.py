@@ -1,30 +1,34 @@
-"""Compiles GrammarSpecs with xgrammar on a thread pool, behind a bounded LRU cache.
+"""Compiles GrammarSpecs in worker processes, behind an LRU cache bounded in bytes.
 
 ```
-API / Engine.add_request --submit(spec)--> LRU hit?  --yes--> done future
-                                             | no
-                                             v
-                               thread pool: xgrammar compile (GIL released in C++)
-                                             |
-                          CompiledGrammar (cached) or GrammarError (not cached)
+API / Engine.add_request --submit(spec, client)--> cache hit? --yes--> done future
+                                                     | no (or same spec in flight: shared)
+                                                     v
+                          FairQueue (per client) -> worker process: xgrammar compile
+                                                     |   (own time limit; killed past it)
+                                 CompiledGrammar (cached) or GrammarError (not cached)
 ```
+The cache counts each grammar's own memory figure (`CompiledGrammar.memory_size_bytes`:
+its token-mask cache dominates) against `cache_bytes`; least recently used entries go first,
+and a grammar larger than the whole budget is served but not kept. Grammars that requests
+still use stay alive with them (bounded by the request size limits, grammars/limits.py).
 The engine polls the future each step; a request waits in WAITING_FOR_GRAMMAR meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import xgrammar as xgr
 
-from grammars.schema.regex import regex_dot
-from grammars.spec import GrammarError, GrammarSpec, clean_compiler_message
+from grammars.compile_pool import CompilePool
+from grammars.fair_queue import CompileJob
+from grammars.spec import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -34,6 +38,11 @@ class CompileStats:
     hits: int = 0
     misses: int = 0
     errors: int = 0
+    # Compiles stopped at their time limit, and those stopped because nobody waited.
+    timeouts: int = 0
+    abandoned: int = 0
+    # Bytes the cache holds now (xgrammar's own figure per grammar).
+    cache_bytes: int = 0
     compile_seconds: list[float] = field(default_factory=list)
 
     def drain_compile_seconds(self) -> list[float]:
@@ -46,7 +55,8 @@ class GrammarCompiler:
 
     `vocab_size` is the width of the model's logits (it may exceed the tokenizer's own
     vocabulary: padded rows are never allowed). `stop_token_ids` are the ids that end a
-    request; the grammar allows them only where it may end.
+    request; the grammar allows them only where it may end. `time_limit_s` bounds each
+    compile from the moment a worker starts it.
     """
 
     def __init__(
@@ -54,7 +64,7 @@ class GrammarCompiler:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
         max_workers: int = 2,
         time_limit_s: float = 30.0,
     ) -> None:
@@ -62,83 +72,90 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         self.vocab_size = vocab_size
-        # xgrammar's own cache is off: ours is keyed by canonical text and bounded by count.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="headrace-grammar")
-        self.cache_size = cache_size
-        # How long a request may wait for its grammar before it fails (the engine checks).
+        self.cache_bytes = cache_bytes
         self.time_limit_s = time_limit_s
-        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
-        # Compilations under way: a second request for the same spec shares the future.
-        self._in_flight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
+        self._cache: OrderedDict[GrammarSpec, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        # Compilations queued or under way: a second request for the same spec shares it.
+        self._in_flight: dict[GrammarSpec, CompileJob] = {}
+        self._jobs: dict[int, CompileJob] = {}  # id(future) -> job, for release()
         self._lock = threading.Lock()
         self.stats = CompileStats()
+        self.pool = CompilePool(self.info, max_workers, time_limit_s, self._finished)
 
-    def submit(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
-        """A future of the compiled grammar; already done on a cache hit."""
+    def submit(self, spec: GrammarSpec, client: str = "") -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar; already done on a cache hit.
+
+        `client` (an API key, a peer address) picks the fair queue the compile waits in.
+        Call `release(future)` if the result is no longer wanted.
+        """
         with self._lock:
-            compiled = self._cache.get(spec)
-            if compiled is not None:
+            hit = self._cache.get(spec)
+            if hit is not None:
                 self._cache.move_to_end(spec)
                 self.stats.hits += 1
                 done: Future[xgr.CompiledGrammar] = Future()
-                done.set_result(compiled)
+                done.set_result(hit[0])
                 return done
-            future = self._in_flight.get(spec)
-            if future is not None:
+            job = self._in_flight.get(spec)
+            if job is not None and not job.abandoned:
+                job.waiters += 1
                 self.stats.hits += 1
-                return future
+                return job.future
             self.stats.misses += 1
-            future = self._in_flight[spec] = self._pool.submit(self._compile_and_cache, spec)
-            return future
+            job = self._in_flight[spec] = CompileJob(spec, client)
+            self._jobs[id(job.future)] = job
+        self.pool.submit(job)
+        return job.future
+
+    def release(self, future: Future[Any]) -> None:
+        """One waiter of `future` left: a compile nobody waits for is dropped or stopped."""
+        with self._lock:
+            job = self._jobs.get(id(future))
+            if job is None or future.done():
+                return
+        if self.pool.cancel(job):  # it never started: nothing will call _finished
+            with self._lock:
+                self._jobs.pop(id(job.future), None)
+                if self._in_flight.get(job.spec) is job:
+                    del self._in_flight[job.spec]
+                self.stats.abandoned += 1
 
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> xgr.CompiledGrammar:
         """Compile now (blocking, through the cache); GrammarError on a bad grammar."""
-        return self.submit(spec).result(timeout if timeout is not None else self.time_limit_s)
+        return self.submit(spec).result(timeout)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
-    def _compile_and_cache(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        start = time.perf_counter()
-        try:
-            compiled = self._compile(spec)
-        except Exception as e:
-            with self._lock:
-                self.stats.errors += 1
-                self._in_flight.pop(spec, None)
-            raise GrammarError(f"{_FIELD[spec.kind]}: {clean_compiler_message(e)}") from None
+    def cached_bytes(self) -> int:
         with self._lock:
-            self.stats.compile_seconds.append(time.perf_counter() - start)
-            self._in_flight.pop(spec, None)
-            self._cache[spec] = compiled
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            return self.stats.cache_bytes
 
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        c = self._compiler
-        if spec.kind == "json":
-            return c.compile_builtin_json_grammar()
-        if spec.kind == "json_schema":
-            return c.compile_json_schema(
-                spec.text, any_whitespace=False, separators=(",", ":"), strict_mode=True
-            )
-        if spec.kind == "regex":
-            return c.compile_regex(regex_dot(spec.text))
-        if spec.kind == "choice":
-            return c.compile_grammar(spec.ebnf())
-        if spec.kind == "grammar":
-            return c.compile_grammar(spec.text)
-        raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+    def _finished(
+        self, job: CompileJob, status: str, compiled: xgr.CompiledGrammar | None, seconds: float
+    ) -> None:
+        """On a slot thread, before the job's future is set."""
+        with self._lock:
+            self._jobs.pop(id(job.future), None)
+            if self._in_flight.get(job.spec) is job:
+                del self._in_flight[job.spec]
+            if status == "ok":
+                assert compiled is not None
+                self.stats.compile_seconds.append(seconds)
+                self._store(job.spec, compiled)
+            elif status == "timeout":
+                self.stats.timeouts += 1
+            elif status == "left":
+                self.stats.abandoned += 1
+            else:
+                self.stats.errors += 1
 
-
-# Which request field the compiler's complaint is about.
-_FIELD = {
-    "json": "json",
-    "json_schema": "schema",
-    "regex": "regex",
-    "choice": "choice",
-    "grammar": "grammar",
-}
+    def _store(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes)
+        if size > self.cache_bytes:
+            return
+        self._cache[spec] = (compiled, size)
+        self.stats.cache_bytes += size
+        while self.stats.cache_bytes > self.cache_bytes:
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self.stats.cache_bytes -= evicted

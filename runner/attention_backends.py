@@ -80,6 +80,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         self.amx = bool(torch.ops.headrace.amx_usable())
+        # --deterministic: prompt tokens as decode rows (runner/batch_invariance.py).
+        self.per_token_prompts = False
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
         torch.ops.headrace.write_kv_(kv_cache, k, v, meta.slot_mapping)
@@ -91,6 +93,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         if self.amx and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256:
             prefill = torch.ops.headrace.paged_prefill_attention_
         decode = torch.ops.headrace.paged_decode_attention
+        if self.per_token_prompts:
+            from runner.batch_invariance import prompt_tokens_as_decode
+
+            prefill = prompt_tokens_as_decode(decode)
         return attention.paged_attention(q, kv_cache, meta, scale, decode, prefill)
 
 

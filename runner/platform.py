@@ -81,16 +81,45 @@ class CpuFeatures:
 
 
 def read_cpu_flags() -> set[str]:
-    """The `flags` line of /proc/cpuinfo (Linux); elsewhere what torch's dispatcher reports."""
+    """The `flags` line of /proc/cpuinfo (Linux); elsewhere what torch's cpuinfo reports.
+
+    NOTE: where /proc/cpuinfo is hidden (systemd's ProcSubset=pid) torch's own cpuinfo
+    fails too (it parses the same file): every query says "no", and ATen itself dispatches
+    its DEFAULT, unvectorised kernels. That is logged loudly; daemon/units/ does not hide it.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx2", "avx512", ...
-    return {"avx2"} | ({"avx512f"} if "avx512" in cap else set())
+    except OSError as e:
+        log.warning(
+            "CPU flags: /proc/cpuinfo is not readable (%s; systemd ProcSubset=pid hides it): "
+            "torch sees capability %s, so dtype auto and the CPU kernels choose from what "
+            "it reports; give the process /proc/cpuinfo to serve the benchmarked engine",
+            e.strerror,
+            torch.backends.cpu.get_cpu_capability(),
+        )
+    return torch_cpu_flags()
+
+
+def torch_cpu_flags() -> set[str]:
+    """The flags we use, as torch's cpuinfo (cpuid) reports them, named as /proc/cpuinfo."""
+    cpu = torch.cpu
+    checks = {
+        "avx2": "_is_avx2_supported",
+        "avx512f": "_is_avx512_supported",
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx_bf16": "_is_amx_tile_supported",
+        "avx512_vnni": "_is_vnni_supported",
+    }
+    flags = {name for name, fn in checks.items() if getattr(cpu, fn, lambda: False)()}
+    cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx2", "avx512", "default"
+    if "avx2" in cap or "avx512" in cap:
+        flags.add("avx2")
+    if "avx512" in cap:
+        flags.add("avx512f")
+    return flags
 
 
 @dataclass(slots=True)
@@ -111,6 +140,9 @@ class Platform:
     small_batch_int8: str | None = None
     small_rows: int = 0
     features: CpuFeatures | None = None
+    # --deterministic: no small-batch copies, linear calls padded to `min_rows` (measured).
+    deterministic: bool = False
+    min_rows: int | None = None
     # Why each choice was made, for the start-up log.
     reasons: list[str] = field(default_factory=list)
 
@@ -129,6 +161,18 @@ class Platform:
             self.small_batch_int8,
         )
         log.info("linear layers by format: %s", counts)
+        if self.deterministic:
+            from runner.batch_invariance import measure_min_rows
+
+            self.min_rows = measure_min_rows(model, self.dtype)
+            if self.min_rows is None:
+                log.warning("deterministic: some linear layer is not batch-invariant here")
+            self.reasons.append(
+                "deterministic: one linear path for every batch size, calls padded to "
+                f"{self.min_rows} rows"
+                if self.min_rows
+                else "deterministic: linear layers NOT batch-invariant on this device"
+            )
         if self.small_batch_int8:
             self.small_rows = measure_small_rows(model, self.dtype)
             self.reasons.append(
@@ -155,16 +199,20 @@ def select_platform(
     features: CpuFeatures | None = None,
     int8_faster: Callable[[torch.dtype, str], bool] | None = None,
     linears: Sequence[LinearShape] = (),
+    deterministic: bool = False,
 ) -> Platform:
     """Choose dtype and weight format for `device`. `linears` are the model's layer shapes
     for the int8 micro-benchmark; `features` and `int8_faster` are injectable so tests can
-    force every branch on any machine."""
+    force every branch on any machine. `deterministic` keeps one linear path for every
+    batch size (no small-batch int8 copies; runner/batch_invariance.py)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if device.type == "cuda":
-        return _cuda_platform(device, dtype, quantization)
+        platform = _cuda_platform(device, dtype, quantization)
+        platform.deterministic = deterministic
+        return platform
     feats = features if features is not None else CpuFeatures.detect()
     reasons = []
     chosen = DTYPES.get(dtype, torch.bfloat16 if feats.native_bf16 else torch.float32)
@@ -207,7 +255,8 @@ def select_platform(
         float_format = "onednn"  # the layers int8 leaves float: bf16 weights where native
     # The GEMV takes fp32 or bf16 activations (not fp16).
     small = (
-        quantization == "auto"
+        not deterministic
+        and quantization == "auto"
         and checkpoint_quantized
         and fmt != "int8"
         and chosen in (torch.float32, torch.bfloat16)
@@ -229,6 +278,7 @@ def select_platform(
         int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
         small_batch_int8=small_layout,
         features=feats,
+        deterministic=deterministic,
         reasons=reasons,
     )
 

@@ -12,7 +12,11 @@ So the runner measures, over windows of steps, whether it got the cores it asked
   does not accrue CPU time; below `share_floor`, the next steps run on one thread (no team,
   nothing to wait for);
 - with one thread, the idle time of the machine (/proc/stat) — when at least `idle_floor` of
-  the other cores sat idle, the team comes back.
+  the other cores sat idle, the team comes back;
+- with one thread and no /proc/stat (systemd's ProcSubset=pid hides it, and other sandboxes
+  do), a probe: after `probe_s` the team runs one window and keeps the cores if it got
+  `share_floor` of them; a failed probe doubles the wait (up to `max_probe_s`), so a busy
+  machine pays one slow window in `max_probe_s` at most.
 Torch-free; the engine applies `threads()` with torch.set_num_threads on the runner thread.
 """
 
@@ -44,6 +48,8 @@ class ThreadGovernor:
         window_s: float = 0.3,
         share_floor: float = 0.7,
         idle_floor: float = 0.6,
+        probe_s: float = 2.0,
+        max_probe_s: float = 60.0,
         wall: Callable[[], float] = time.perf_counter,
         cpu: Callable[[], float] = time.process_time,
         idle: Callable[[], float | None] = read_idle_seconds,
@@ -51,6 +57,10 @@ class ThreadGovernor:
         self.max_threads = max_threads
         self.window_s, self.share_floor, self.idle_floor = window_s, share_floor, idle_floor
         self._wall, self._cpu, self._idle = wall, cpu, idle
+        self.probe_s, self.max_probe_s = probe_s, max_probe_s
+        # Without the machine's idle time: single-thread wall time until the next probe.
+        self._blind = idle() is None
+        self._probe_wait, self._single_wall, self._probing = probe_s, 0.0, False
         self.current = max_threads
         self.switches = 0
         # Why the thread count last changed (for the log line).
@@ -63,7 +73,7 @@ class ThreadGovernor:
 
     @property
     def enabled(self) -> bool:
-        return self.max_threads > 1 and self._idle() is not None
+        return self.max_threads > 1
 
     def threads(self) -> int:
         """Threads for the step about to run; call `step_done()` when it ends."""
@@ -87,7 +97,17 @@ class ThreadGovernor:
         if self.current > 1:
             share = self._win_cpu / (self._win_wall * self.current)
             if share < self.share_floor:
+                if self._probing:  # the cores are still taken: wait longer next time
+                    self._probe_wait = min(2 * self._probe_wait, self.max_probe_s)
                 self._switch(1, f"our threads got {share:.0%} of their cores")
+            elif self._probing:
+                self._probe_wait = self.probe_s
+            self._probing = False
+        elif self._blind:
+            self._single_wall += self._win_wall
+            if self._single_wall >= self._probe_wait:
+                self._single_wall, self._probing = 0.0, True
+                self._switch(self.max_threads, "probing (no /proc/stat to read idle cores)")
         else:
             # Idle cores while our one thread ran (clock ticks: coarse, hence the window).
             idle_cores = self._win_idle / self._win_wall

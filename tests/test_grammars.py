@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import threading
+import os
 
 import pytest
 import torch
@@ -32,7 +32,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, VOCAB, [2], cache_size=4)
+    c = GrammarCompiler(tokenizer, VOCAB, [2])
+    yield c
+    c.shutdown()
 
 
 def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
@@ -94,7 +96,8 @@ RAW_LEAKS = [
 
 def _raw_accepts(compiler: GrammarCompiler, schema: dict, instance: object) -> bool:
     """What xgrammar itself does with the schema, without our rule."""
-    compiled = compiler._compiler.compile_json_schema(
+    raw = xgr.GrammarCompiler(compiler.info, max_threads=1, cache_enabled=False)
+    compiled = raw.compile_json_schema(
         json.dumps(schema), any_whitespace=False, separators=(",", ":")
     )
     return _accepts(compiled, instance)
@@ -164,16 +167,28 @@ def test_compile_errors_name_what_is_wrong(compiler, spec, needle):
     assert needle in str(e.value) and ".cc:" not in str(e.value)
 
 
-def test_cache_hits_lru_eviction_and_shared_in_flight_compiles(tokenizer):
-    c = GrammarCompiler(tokenizer, VOCAB, [2], cache_size=2)
-    specs = [GrammarSpec("regex", f"[a-z]{{{n}}}") for n in (1, 2, 3)]
+def test_cache_hits_lru_eviction_in_bytes_and_shared_in_flight_compiles(compiler):
+    specs = [GrammarSpec("regex", f"[a-z]{{2}}{end}") for end in "xyz"]
+    size = {s: compiler.compile(s).memory_size_bytes for s in specs}
+    # The largest in the middle: evicting it makes room for the third, exactly two fit.
+    big = max(specs, key=size.__getitem__)
+    specs = [s for s in specs if s != big]
+    specs.insert(1, big)
+    sizes = [size[s] for s in specs]
+    c = compiler
+    with c._lock:  # start from an empty cache that holds two of the three
+        c._cache.clear()
+        c.stats = type(c.stats)()
+    c.cache_bytes = sizes[0] + sizes[1] + min(sizes) // 2
     futures = [c.submit(specs[0]) for _ in range(4)]  # one compile, shared
-    assert len({id(f) for f in futures}) == 1 or all(f.result() for f in futures)
+    assert len({id(f) for f in futures}) == 1
     assert (c.stats.misses, c.stats.hits) == (1, 3)
     futures[0].result()
     c.compile(specs[1])
+    assert c.cached_bytes() == sizes[0] + sizes[1]
     c.compile(specs[0])  # hit: most recent now
-    c.compile(specs[2])  # evicts specs[1]
+    c.compile(specs[2])  # over the byte budget: evicts specs[1], the least recently used
+    assert c.cached_bytes() == sizes[0] + sizes[2] <= c.cache_bytes
     misses = c.stats.misses
     c.compile(specs[0])
     assert c.stats.misses == misses
@@ -183,23 +198,20 @@ def test_cache_hits_lru_eviction_and_shared_in_flight_compiles(tokenizer):
     with pytest.raises(GrammarError):
         c.compile(GrammarSpec("regex", "("))
     assert c.stats.errors == 1
-    c.shutdown()
+    c.cache_bytes = min(sizes) - 1  # larger than the whole budget: served, not kept
+    with c._lock:
+        c._cache.clear()
+        c.stats.cache_bytes = 0
+    assert c.compile(GrammarSpec("regex", "[a-z]{4}y")) is not None
+    assert c.cached_bytes() == 0 and not c._cache
+    c.cache_bytes = 256 << 20
 
 
-def test_compiles_run_off_the_calling_thread(compiler):
-    threads: list[str] = []
-    original = compiler._compile
-
-    def spy(spec):
-        threads.append(threading.current_thread().name)
-        return original(spec)
-
-    compiler._compile = spy  # type: ignore[method-assign]
-    try:
-        compiler.compile(GrammarSpec("regex", "off-thread"))
-    finally:
-        del compiler._compile
-    assert threads and threads[0].startswith("headrace-grammar")
+def test_compiles_run_in_worker_processes(compiler):
+    compiler.compile(GrammarSpec("regex", "off-process"))
+    # At least the worker that compiled it is up (the other may still be starting).
+    pids = {w.pid for w in compiler.pool.workers} - {None}
+    assert pids and os.getpid() not in pids
 
 
 def test_choice_literals_are_escaped(compiler, tokenizer):

@@ -118,12 +118,19 @@ def test_response_format_and_guided_fields_on_both_endpoints(daemon, client, mod
         ({"guided_json": {"$ref": "https://json-schema.org/draft/2020-12/schema"}},
          "remote refs are not fetched"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "only one"),
+        # Too large to compile at all (the defaults: 64 KiB, 1024 choices), and no sentence.
+        ({"guided_choice": ["x" * 1000] * 70}, "guided_choice: choice: all choices together"),
+        ({"guided_choice": ["x"] * 1025}, "guided_choice: choice: 1025 choices"),
+        ({"guided_regex": "a" * 70_000}, "guided_regex: regex: the pattern is 70000 bytes"),
+        ({"guided_grammar": 'root ::= x\nx ::= x "a"'}, "no finite sentence"),
     ],
 )  # fmt: skip
 def test_bad_constraints_answer_400_naming_the_problem(daemon, body, needle):
     r = post(daemon, "/v1/chat/completions", {"messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+    if needle.startswith("guided_"):
+        assert r.json()["error"]["param"] == needle.split(":")[0]
 
 
 def test_daemon_keeps_serving_after_bad_grammars_and_frees_every_block(daemon, client, model):

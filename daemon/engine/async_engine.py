@@ -117,6 +117,7 @@ class AsyncEngine:
             self._task = None
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self._waiter.shutdown(wait=wait, cancel_futures=not wait)
+        self.engine.grammars.shutdown()  # its worker processes
 
     @property
     def num_in_flight_requests(self) -> int:

@@ -111,6 +111,34 @@ class EngineConfig:
     kv_disk_dir: str | None = opt(
         None, "disk connector: folder of the persistent KV tier (default: <cache dir>/kv)"
     )
+    deterministic: bool = opt(
+        False,
+        "batch-invariant greedy: a request's output does not depend on its batch-mates (one "
+        "linear path for every batch size: no small-batch int8 copies, calls padded to the "
+        "row count from which the matmul kernels agree; fixed thread count). Off: outputs "
+        "may change with batch composition (see README)",
+    )
+    grammar_cache_mb: float = opt(
+        256.0,
+        "MiB of compiled grammars kept for reuse, counted by xgrammar's own memory figure "
+        "(least recently used go first; a larger grammar is served but not kept)",
+    )
+    grammar_max_bytes: int = opt(
+        64 << 10,
+        "largest output constraint per request in bytes (the schema as compact JSON, the "
+        "regex, the grammar, all choices together); larger answers 400 (0: no limit)",
+    )
+    grammar_max_choices: int = opt(1024, "most strings in one guided_choice (0: no limit)")
+    grammar_compile_timeout: float = opt(
+        30.0,
+        "seconds one grammar compile may take once a worker starts it (time queued is not "
+        "counted); past it the compile is stopped and its requests answer 400",
+    )
+    grammar_workers: int = opt(
+        2,
+        "grammar compile worker processes; compiles queue per client and one client never "
+        "holds all of them",
+    )
     threads: int | None = opt(
         None,
         "most torch intra-op threads (default: every core this process may use)",

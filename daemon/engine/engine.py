@@ -27,6 +27,7 @@ from daemon.engine.lora import adapter_info, lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
 from grammars import GrammarSpec
+from grammars.limits import GrammarLimits
 from kvcache import KVCacheManager
 from plugins import load_policy
 from runner.device_queue import PendingOutput
@@ -118,6 +119,10 @@ class Engine:
             self.kv_connector.worker if self.kv_connector else None,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
+        if config.deterministic:
+            from runner.batch_invariance import make_attention_batch_invariant
+
+            make_attention_batch_invariant(self.runner.attn_backend)
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self.info = ModelInfo(
             self.model_name,
@@ -133,7 +138,13 @@ class Engine:
         self._pending: list[Delta] = []
         # Compiles grammars off this thread; constrained requests wait for them here.
         self.grammars = GrammarRequests(
-            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            GrammarLimits(config.grammar_max_bytes, config.grammar_max_choices),
+            int(config.grammar_cache_mb * (1 << 20)),
+            config.grammar_compile_timeout,
+            config.grammar_workers,
         )
         log.info(
             "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
@@ -175,9 +186,12 @@ class Engine:
         grammar: GrammarSpec | None = None,
         lora: str | None = None,
         tenant: str = DEFAULT_TENANT,
+        client: str = "",
     ) -> str:
         """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled.
-        `lora` names a served adapter (UnknownAdapterError if there is none of that name)."""
+        `lora` names a served adapter (UnknownAdapterError if there is none of that name).
+        `client` (the tenant, or a peer address) is whose fair share of the grammar
+        compilers the compile waits for (default: the tenant)."""
         params = params or SamplingParams()
         adapter = None
         if lora is not None:
@@ -207,7 +221,7 @@ class Engine:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(req)
         if grammar is not None:
-            self.grammars.submit(req, grammar)
+            self.grammars.submit(req, grammar, client or tenant)
         self.outputs.add(request_id, self.tokenizer, prompt_ids, params)
         return request_id
 
@@ -216,6 +230,7 @@ class Engine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.grammars.forget(request_ids)
         self.outputs.drop(request_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -422,7 +437,9 @@ def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
     governor = ThreadGovernor(threads)
     # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
     passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    return governor if config.thread_governor and governor.enabled and not passive else None
+    # --deterministic: a fixed team (the kernels' split of the work follows it).
+    governed = config.thread_governor and not config.deterministic
+    return governor if governed and governor.enabled and not passive else None
 
 
 def make_policy(config: EngineConfig) -> Policy:

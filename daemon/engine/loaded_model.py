@@ -47,6 +47,7 @@ class LoadedModel:
             config.quantization,
             checkpoint_quantized=checkpoint.is_quantized(),
             linears=model_linears(checkpoint, load_model_class),
+            deterministic=config.deterministic,
         )
         t0 = time.perf_counter()
         model, model_config = load_model(

@@ -184,7 +184,11 @@ class APIServer:
             prompts = await self.tokenizing.prompt_ids(req.prompts)
         if self.options.log_prompts:
             log.info("prompt: %s", body.get("messages") if chat else req.prompts)
-        choices = self._add(req, prompts, tenant, constraint.spec if constraint else None, lora)
+        # Whose fair share of the grammar compilers the compile waits for: the tenant, or
+        # without one the peer address.
+        client = tenant if tenant != DEFAULT_TENANT else (request.remote or "unix")
+        spec = constraint.spec if constraint else None
+        choices = self._add(req, prompts, tenant, spec, lora, client)
         headers = _warning_headers(constraint)
         try:
             firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
@@ -253,6 +257,7 @@ class APIServer:
         tenant: str,
         grammar: GrammarSpec | None = None,
         lora: str | None = None,
+        client: str = "",
     ) -> list[Choice]:
         max_len = self.engine.info.max_model_len
         max_waiting = self.engine.info.max_waiting
@@ -292,6 +297,7 @@ class APIServer:
                             grammar=grammar,
                             tenant=tenant,
                             lora=lora,
+                            client=client,
                         )
                     except BaseException:
                         self.limiter.give_back(tenant, charged)

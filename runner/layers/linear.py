@@ -167,6 +167,8 @@ class Linear(nn.Linear):
         # Weight-only int8 copy used for calls of <= small_rows rows.
         self._small: SmallBatchInt8 | None = None
         self.small_rows = 0
+        # --deterministic: calls of fewer rows are padded to this many (runner/batch_invariance)
+        self.min_rows = 0
 
     def pack(
         self,
@@ -227,6 +229,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if x2.shape[0] < self.min_rows:  # the same kernel as larger calls: zero rows padded
+            pad = x2.new_zeros(self.min_rows - x2.shape[0], x2.shape[1])
+            y = self.forward(torch.cat([x2, pad]))[: x2.shape[0]]
+            return y.view(*lead, y.shape[-1])
         if self._small is not None and x2.shape[0] <= self.small_rows:
             y = self._small(x2, self.bias)
             return y.view(*lead, y.shape[-1])
