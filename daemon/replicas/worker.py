@@ -71,7 +71,7 @@ def run_replica(sock: socket.socket, cpus: list[int] | None, threads: int, log_l
     _die_with_parent()
     _pin(cpus, threads)
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+        level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )
     # The front door drains and then sends Stop; a stray SIGTERM/SIGINT (systemd signals the
     # whole cgroup, a terminal the process group) must not cut streams.
