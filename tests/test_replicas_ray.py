@@ -14,7 +14,7 @@ from reliability_fixtures import build_tiny_model_dir
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.replicas.replica_set import ReplicaSet
-from daemon.replicas.routing import load_router
+from daemon.replicas.routing import make_router
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 from scheduling import SamplingParams
@@ -68,7 +68,7 @@ def test_two_ray_actors_serve_the_engines_greedy_tokens(
 
     async def run() -> tuple[list[list[int]], list[int]]:
         backend = RayBackend(2, 1, None)
-        replicas = ReplicaSet(config, 2, backend, load_router("round_robin"), overlap=False)
+        replicas = ReplicaSet(config, 2, backend, make_router("round_robin", config), overlap=False)
         await replicas.open(load_tokenizer(resolve_model(config.model)))
         try:
             got = await asyncio.gather(*(_text(replicas, p) for p in PROMPTS))

@@ -84,13 +84,12 @@ class Engine:
             config, self.model, self.model_config, self.device, self.dtype, max_model_len
         )
         # A data-parallel replica records KV events for the front door's router mirror.
-        kv_options = {"record_events": True} if record_kv_events else {}
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.prefix_cache_hash,
-            **kv_options,
+            record_events=record_kv_events,
         )
         sched_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,

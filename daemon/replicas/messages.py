@@ -48,9 +48,11 @@ class Hello:
 
 @dataclass(slots=True)
 class Deltas:
-    """Outputs for requests of this replica, in order."""
+    """Outputs for requests of this replica, in order, and the KV events before them (the
+    router's mirror holds a finished prompt's blocks before its client hears the end)."""
 
     deltas: list[Delta]
+    kv_events: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)

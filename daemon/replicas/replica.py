@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import time
@@ -34,7 +33,6 @@ from daemon.replicas.messages import (
     Stop,
     ToReplica,
 )
-from kvcache import KVCacheManager
 from scheduling import QueueFullError
 
 log = logging.getLogger("headrace.replica")
@@ -50,11 +48,6 @@ class ReplicaSpec:
     index: int
     engine: EngineConfig
     overlap: bool | None = None
-
-
-def _records_events() -> bool:
-    # KV events come with kvcache's `record_events` (issue 18, router side).
-    return "record_events" in inspect.signature(KVCacheManager).parameters
 
 
 class ReplicaCore:
@@ -76,7 +69,7 @@ class ReplicaCore:
         runner_thread = runner_executor()
         cfg = self.spec.engine
         engine = await loop.run_in_executor(
-            runner_thread, lambda: Engine(cfg, record_kv_events=_records_events())
+            runner_thread, lambda: Engine(cfg, record_kv_events=True)
         )
         overlap = self.spec.overlap
         if overlap is None:
@@ -142,14 +135,13 @@ class ReplicaCore:
         self._flush_scheduled = False
         if self._outgoing:
             out, self._outgoing = self._outgoing, []
-            self.emit(Deltas(out))
+            self.emit(Deltas(out, self._drain_events()))
 
     # -- load and KV events --------------------------------------------------------------
 
     def _drain_events(self) -> list:
         assert self.engine is not None
-        drain = getattr(self.engine.engine.kv, "drain_events", None)
-        return list(drain()) if drain is not None else []
+        return self.engine.engine.kv.drain_events()
 
     async def _publish_load(self) -> None:
         assert self.engine is not None

@@ -30,7 +30,7 @@ from daemon.replicas.messages import Abort, Add, Deltas, FromReplica, Hello, Loa
 from daemon.replicas.replica import ReplicaSpec
 from daemon.replicas.routing import ReplicaLoad, RouteRequest
 from daemon.replicas.stream import ReplicaStream
-from kvcache.block_hash import get_hash_fn, hash_request_blocks
+from kvcache.block_hash import prefix_block_hashes, request_extra_keys
 from scheduling import QueueFullError, SamplingParams, SpecDecodeStats
 
 log = logging.getLogger("headrace.replicas")
@@ -100,7 +100,6 @@ class ReplicaSet:
         self.overlap = overlap
         self.info: ModelInfo | None = None  # type: ignore[assignment]
         self.tokenizer: Any = None
-        self.hash_fn = get_hash_fn(config.prefix_cache_hash)
         self.totals = RouterTotals()
         self._ids = itertools.count()
         self._supervisors: list[asyncio.Task[None]] = []
@@ -180,6 +179,7 @@ class ReplicaSet:
             "replica %d lost (%s); %d requests fail; restarting", r.index, why, len(r.streams)
         )
         r.healthy = False
+        r.load = EngineStats()
         channel, r.channel = r.channel, None
         if channel is not None:
             channel.kill()
@@ -190,6 +190,8 @@ class ReplicaSet:
 
     def _receive(self, r: Replica, message: FromReplica) -> None:
         if isinstance(message, Deltas):
+            if message.kv_events:
+                self.router.on_kv_events(r.index, message.kv_events)
             for delta in message.deltas:
                 stream = r.streams.get(delta.request_id)
                 if stream is None:
@@ -231,8 +233,10 @@ class ReplicaSet:
             return stream
         hashes: list[Any] = []
         if self.config.enable_prefix_caching:
-            salt = options.get("cache_salt")
-            hash_request_blocks(self.hash_fn, self.config.block_size, ids, hashes, salt)
+            extra = request_extra_keys(options.get("cache_salt"))
+            hashes = prefix_block_hashes(
+                ids, self.config.block_size, self.config.prefix_cache_hash, extra
+            )
         decision = self.router.pick(RouteRequest(ids, hashes), candidates)
         r = self.replicas[decision.index]
         per_replica = self.info.max_waiting // len(self.replicas)

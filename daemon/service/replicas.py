@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from daemon.replicas.replica_set import Backend, ReplicaSet
-from daemon.replicas.routing import DEFAULT_ROUTER, load_router
+from daemon.replicas.routing import DEFAULT_ROUTER, make_router
 from daemon.service.serve_config import ServeConfig
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
@@ -33,7 +33,7 @@ async def open_replicas(config: ServeConfig) -> ReplicaSet:
     """Start the replicas (all must come up once) with the tokenizer loaded here."""
     n = config.server.data_parallel_size
     router_name = config.server.router or DEFAULT_ROUTER
-    router = load_router(router_name)
+    router = make_router(router_name, config.engine)
     backend = make_backend(config, n)
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(
