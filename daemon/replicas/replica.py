@@ -102,6 +102,7 @@ class ReplicaCore:
                 await self._load_task
         if self.engine is not None:
             await self.engine.stop()
+            self.engine.engine.close()  # the KV connector's last writes, if one is set
 
     # -- requests ------------------------------------------------------------------------
 

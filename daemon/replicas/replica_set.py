@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from daemon.engine.admission import check_prompt, check_vocab
-from daemon.engine.client import EngineStats, ModelInfo, ReplicaStatus, RouterTotals
+from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo, ReplicaStatus, RouterTotals
 from daemon.engine.config import EngineConfig
 from daemon.engine.outputs import Delta
 from daemon.replicas.messages import Abort, Add, Deltas, FromReplica, Hello, Load, Rejected, Stop
@@ -75,7 +75,9 @@ class Replica:
     up_since: float = 0.0
     load: EngineStats = field(default_factory=EngineStats)
     streams: dict[str, ReplicaStream] = field(default_factory=dict)
+    # Hand-once figures from the replica's Loads, kept until the next scrape.
     compile_seconds: list[float] = field(default_factory=list)
+    tenant_seconds: list[tuple[str, float]] = field(default_factory=list)
 
     def route_load(self) -> ReplicaLoad:
         # The front door's own count is current; the replica's report lags by a frame.
@@ -205,6 +207,7 @@ class ReplicaSet:
         elif isinstance(message, Load):
             r.load = message.stats
             r.compile_seconds.extend(message.stats.grammar_compile_seconds)
+            r.tenant_seconds.extend(message.stats.tenant_queue_seconds)
             if message.kv_events:
                 self.router.on_kv_events(r.index, message.kv_events)
         elif isinstance(message, Rejected):
@@ -259,6 +262,16 @@ class ReplicaSet:
                 r.channel.send(Abort([request_id]))
                 return
 
+    def adapters(self) -> list[AdapterInfo]:
+        """LoRA over replicas is not wired yet: none served."""
+        return []
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        raise ValueError("lora: runtime adapters are not available with data-parallel replicas")
+
+    def unload_adapter(self, name: str) -> None:
+        raise LookupError(f"lora: adapter {name!r} is not loaded")
+
     @property
     def num_in_flight_requests(self) -> int:
         return sum(len(r.streams) for r in self.replicas)
@@ -282,7 +295,8 @@ class ReplicaSet:
             out.grammar_cache_hits += s.grammar_cache_hits
             out.grammar_cache_misses += s.grammar_cache_misses
             out.grammar_compile_seconds += r.compile_seconds
-            r.compile_seconds = []
+            out.tenant_queue_seconds += r.tenant_seconds
+            r.compile_seconds, r.tenant_seconds = [], []
             for name in ("num_proposed", "num_verified", "num_accepted", "num_verify_steps"):
                 setattr(out.spec, name, getattr(out.spec, name) + getattr(s.spec, name))
             out.replicas.append(

@@ -151,7 +151,8 @@ async def serve(config: ServeConfig) -> int:
     if watchdog is not None:
         watchdog.cancel()
     await async_engine.stop()
-    engine.close()  # the KV connector's last writes, its peer server
+    if isinstance(async_engine, AsyncEngine):  # replicas close their own engines
+        async_engine.engine.close()  # the KV connector's last writes, its peer server
     if profiler is not None:
         profiler.close()
     if uds_sock is not None and config.server.uds:
