@@ -33,6 +33,8 @@ ALLOWED = {
         "grammars",
         "plugins",
     },
+    # Replicas: N engines behind one EngineClient (never imported by the API layer).
+    "daemon.replicas": {"daemon.replicas", "daemon.engine", "scheduling", "kvcache", "plugins"},
     "daemon.service": {"daemon", "scheduling", "runner", "grammars", "kvcache", "plugins"},
     # The load generator tokenizes its workloads the way the server will.
     "daemon.bench": {"daemon.bench", "runner.model_source", "runner.tokenizer"},

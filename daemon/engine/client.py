@@ -2,7 +2,8 @@
 
 ```
 daemon.openai (HTTP)  --EngineClient-->  LocalEngine   (AsyncEngine, this process)
-                                         a replica set, a remote engine (next)
+                                         ReplicaSet    (daemon/replicas: N engines in
+                                                        their own processes or Ray actors)
 ```
 The API layer depends on this Protocol only, never on an engine's scheduler, KV cache or
 runner: each transport implements it, and everything it returns is plain data.
@@ -44,6 +45,29 @@ class AdapterInfo:
 
 
 @dataclass(slots=True)
+class ReplicaStatus:
+    """One data-parallel replica as the front door sees it (daemon/replicas)."""
+
+    index: int
+    healthy: bool
+    restarts: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+
+
+@dataclass(slots=True)
+class RouterTotals:
+    """Running totals of a replica router: decisions per (policy, reason), cached tokens."""
+
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Prompt tokens the router expected the picked replica to hold, and what it reported.
+    predicted_cached_tokens: int = 0
+    reported_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Load and health figures at one moment (read at scrape and routing time)."""
 
@@ -63,6 +87,9 @@ class EngineStats:
     # (tenant, seconds from arrival to first scheduled) of requests admitted since the last
     # read (each is handed out once).
     tenant_queue_seconds: list[tuple[str, float]] = field(default_factory=list)
+    # Data-parallel serving only: each replica, and the router's totals (empty/None else).
+    replicas: list[ReplicaStatus] = field(default_factory=list)
+    router: RouterTotals | None = None
 
 
 class DeltaStream(Protocol):
@@ -114,6 +141,10 @@ class EngineClient(Protocol):
 
     def in_flight_ids(self) -> list[str]: ...
 
+    def end_all(self, why: str) -> int:
+        """Abort every request in flight, each reader handed a last delta saying `why`."""
+        ...
+
     def start(self) -> None: ...
 
-    async def stop(self) -> None: ...
+    async def stop(self, wait: bool = True) -> None: ...

@@ -56,7 +56,12 @@ log = logging.getLogger("headrace.engine")
 class Engine:
     """The whole data plane in one object; not thread-safe (one owner calls it)."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        record_kv_events: bool = False,
+    ):
         self.config = config = config or EngineConfig()
         self.governor = _thread_governor(config)
         loaded = loaded or LoadedModel.load(config)
@@ -79,8 +84,13 @@ class Engine:
         num_blocks = num_kv_blocks(
             config, self.model, self.model_config, self.device, self.dtype, max_model_len
         )
+        # A data-parallel replica records KV events for the front door's router mirror.
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_cache_hash
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_cache_hash,
+            record_events=record_kv_events,
         )
         sched_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,

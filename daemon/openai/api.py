@@ -127,7 +127,15 @@ class APIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
             return json_response({"status": "draining"}, 503)
-        return json_response({"status": "ok"})
+        replicas = self.engine.stats().replicas
+        if not replicas:
+            return json_response({"status": "ok"})
+        # Data-parallel: serving while any replica serves; the body names the ones down.
+        down = [r.index for r in replicas if not r.healthy]
+        body = {"status": "ok", "replicas": len(replicas), "replicas_down": down}
+        if len(down) == len(replicas):
+            return json_response({**body, "status": "unavailable"}, 503)
+        return json_response(body)
 
     def model_card(self) -> dict[str, Any]:
         return {

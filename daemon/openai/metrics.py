@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine.client import EngineStats
 from daemon.openai.metric_totals import advance
+from daemon.openai.replica_metrics import ReplicaMetrics
 from daemon.openai.spec_metrics import SpecDecodeMetrics
 from daemon.openai.tenant_metrics import TenantMetrics
 
@@ -75,6 +76,7 @@ class Metrics:
         )
         self.spec_decode = SpecDecodeMetrics(r)
         self.tenants = TenantMetrics(r)
+        self.replicas = ReplicaMetrics(r)
 
         self.grammar_compile = Histogram(
             "headrace_grammar_compile_seconds",
@@ -112,6 +114,7 @@ class Metrics:
         advance(self.grammar_misses, stats.grammar_cache_misses)
         self.spec_decode.update(stats.spec)
         self.absorb(stats)
+        self.replicas.update(stats)
         return generate_latest(self.registry)
 
     def absorb(self, stats: EngineStats) -> None:

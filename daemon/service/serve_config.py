@@ -72,6 +72,22 @@ class ServerConfig:
     stream_timeout: float = opt(
         60.0, "end a stream whose client has taken no data for this many seconds"
     )
+    data_parallel_size: int = opt(
+        1,
+        "engine replicas, each in its own process on cores // N threads (--threads sets "
+        "them), behind this one front door; 1: the engine runs in this process",
+    )
+    router: str | None = opt(
+        None,
+        "how a request picks its replica: an entry point in headrace.routers (round_robin, "
+        "least_load, cache_aware; default cache_aware when --data-parallel-size > 1)",
+    )
+    distributed_backend: str = opt(
+        "local", "where replicas run: local (child processes) or ray (Ray actors on a cluster)"
+    )
+    ray_address: str | None = opt(
+        None, "ray: the cluster to join (auto: the running one; unset: start a local one)"
+    )
     profile_steps: str | None = opt(
         None,
         "append one JSON line per engine step to this file (tokens, schedule/forward/sample "

@@ -16,6 +16,7 @@ import socket
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvloop
 from aiohttp import web
@@ -23,6 +24,7 @@ from aiohttp import web
 from daemon.engine.async_engine import AsyncEngine, runner_executor
 from daemon.engine.client import EngineClient
 from daemon.engine.engine import Engine
+from daemon.engine.warmup import warm_up
 from daemon.openai.api import APIServer
 from daemon.openai.auth import load_api_keys
 from daemon.openai.metrics import Metrics
@@ -32,7 +34,6 @@ from daemon.service.http_protocol import GuardedAppRunner
 from daemon.service.serve_config import ServeConfig, ServerConfig
 from daemon.service.shutdown import CLOSE_S, Stoppable, drain_and_stop
 from daemon.service.systemd import Notifier, inherited_sockets
-from scheduling import SamplingParams
 
 log = logging.getLogger("headrace.server")
 
@@ -76,19 +77,6 @@ def bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
-async def warm_up(engine: EngineClient) -> None:
-    """One tiny request through the whole path, so the first client pays no first-call costs."""
-    stream = engine.add_request(
-        [engine.info.warmup_token_id, 1, 2],
-        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-    )
-    try:
-        async for _ in stream:
-            pass
-    finally:
-        stream.close()
-
-
 def api_options(server: ServerConfig) -> APIOptions:
     keys = load_api_keys(server.api_key, server.api_key_file)
     return APIOptions(
@@ -109,27 +97,18 @@ async def serve(config: ServeConfig) -> int:
     configure_logging(config.server.log_level, notifier.enabled)
     loop = asyncio.get_running_loop()
     notifier.status("loading model")
-    # Built on the thread that will run every step: libgomp keeps a thread pool per thread
-    # that opens a parallel region, and with more pooled threads than cores it cuts its
-    # workers' spinning to ~100 rounds, so each region would pay a futex wake-up.
-    runner_thread = runner_executor()
-    engine = await loop.run_in_executor(runner_thread, Engine, config.engine)
-    name = config.server.served_model_name or engine.model_name
-    overlap = config.server.overlap
-    if overlap is None:
-        overlap = engine.device.type == "cuda"
-    async_engine = AsyncEngine(engine, overlap=overlap, executor=runner_thread)
-    async_engine.on_iteration = notifier.watchdog
-    if notifier.watchdog_interval is not None:
-        async_engine.idle_timeout = notifier.watchdog_interval
-    notifier.status("warming up")
-    await warm_up(async_engine)
     profiler = None
-    if config.server.profile_steps:  # after warm-up: its steps would skew the profile
-        from daemon.engine.step_profile import StepProfiler
+    watchdog: asyncio.Task[None] | None = None
+    if config.server.data_parallel_size > 1 or config.server.distributed_backend != "local":
+        from daemon.service.replicas import open_replicas
 
-        profiler = StepProfiler(config.server.profile_steps)
-        profiler.attach(engine)
+        if config.server.profile_steps:
+            raise ValueError("profile_steps: not available with replicas (profile one engine)")
+        async_engine: EngineClient = await open_replicas(config)
+        watchdog = loop.create_task(_ping(notifier))
+    else:
+        async_engine, profiler = await _local_engine(config, notifier)
+    name = config.server.served_model_name or async_engine.info.name
     api = APIServer(async_engine, name, Metrics(), api_options(config.server))
     runner = GuardedAppRunner(
         api.app(),
@@ -158,12 +137,7 @@ async def serve(config: ServeConfig) -> int:
     for site in sites:
         await site.start()
     where = ", ".join(_describe(site) for site in sites)
-    log.info(
-        "serving %s on %s (batch-queue overlap %s)",
-        name,
-        where,
-        "on" if async_engine.overlap else "off",
-    )
+    log.info("serving %s on %s", name, where)
     notifier.ready(f"serving {name} on {where}")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -173,7 +147,10 @@ async def serve(config: ServeConfig) -> int:
     await drain_and_stop(
         Stoppable(api, async_engine, runner, sites, notifier), config.server.drain_timeout
     )
-    engine.close()  # the KV connector's last writes, its peer server
+    if watchdog is not None:
+        watchdog.cancel()
+    if isinstance(async_engine, AsyncEngine):  # replicas close their own engines
+        async_engine.engine.close()  # the KV connector's last writes, its peer server
     if profiler is not None:
         profiler.close()
     if uds_sock is not None and config.server.uds:
@@ -181,6 +158,41 @@ async def serve(config: ServeConfig) -> int:
             os.unlink(config.server.uds)
     log.info("stopped")
     return 0
+
+
+async def _local_engine(config: ServeConfig, notifier: Notifier) -> tuple[AsyncEngine, Any]:
+    """The engine in this process (--data-parallel-size 1), warmed up."""
+    loop = asyncio.get_running_loop()
+    # Built on the thread that will run every step: libgomp keeps a thread pool per thread
+    # that opens a parallel region, and with more pooled threads than cores it cuts its
+    # workers' spinning to ~100 rounds, so each region would pay a futex wake-up.
+    runner_thread = runner_executor()
+    engine = await loop.run_in_executor(runner_thread, Engine, config.engine)
+    overlap = config.server.overlap
+    if overlap is None:
+        overlap = engine.device.type == "cuda"
+    async_engine = AsyncEngine(engine, overlap=overlap, executor=runner_thread)
+    async_engine.on_iteration = notifier.watchdog
+    if notifier.watchdog_interval is not None:
+        async_engine.idle_timeout = notifier.watchdog_interval
+    notifier.status("warming up")
+    await warm_up(async_engine)
+    log.info("batch-queue overlap %s", "on" if async_engine.overlap else "off")
+    profiler = None
+    if config.server.profile_steps:  # after warm-up: its steps would skew the profile
+        from daemon.engine.step_profile import StepProfiler
+
+        profiler = StepProfiler(config.server.profile_steps)
+        profiler.attach(engine)
+    return async_engine, profiler
+
+
+async def _ping(notifier: Notifier) -> None:
+    """The systemd watchdog with replicas: the front door's loop answers for itself."""
+    interval = notifier.watchdog_interval
+    while interval is not None:
+        notifier.watchdog()
+        await asyncio.sleep(interval / 2)
 
 
 def _describe(site: web.BaseSite) -> str:

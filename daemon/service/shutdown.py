@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.client import EngineClient
 from daemon.openai.api import APIServer
 from daemon.openai.errors import SHUTTING_DOWN
 from daemon.service.systemd import Notifier
@@ -47,7 +47,7 @@ class Stoppable:
     """What the stop path needs to reach."""
 
     api: APIServer
-    engine: AsyncEngine
+    engine: EngineClient
     runner: web.AppRunner
     sites: Sequence[web.BaseSite]
     notifier: Notifier

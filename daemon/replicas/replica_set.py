@@ -1,0 +1,329 @@
+"""ReplicaSet: the EngineClient over N replicas, a router picking one per request.
+
+```
+APIServer --EngineClient--> ReplicaSet --router.pick--> replica i
+                              | per replica: a channel (socketpair or Ray actor) and a
+                              | supervisor task: connect -> read frames -> on loss: fail its
+                              | streams, mark it down, reset its router mirror, back off, reconnect
+```
+Only the loop thread touches this object. A replica's streams end with finish_reason
+"error" the moment its channel breaks (the API turns that into a 500 or an SSE error
+event); the router never sees a down replica as a candidate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from daemon.engine.admission import check_prompt, check_vocab
+from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo, ReplicaStatus, RouterTotals
+from daemon.engine.config import EngineConfig
+from daemon.engine.outputs import Delta
+from daemon.replicas.messages import Abort, Add, Deltas, FromReplica, Hello, Load, Rejected, Stop
+from daemon.replicas.replica import ReplicaSpec
+from daemon.replicas.routing import ReplicaLoad, RouteRequest
+from daemon.replicas.stream import ReplicaStream
+from kvcache.block_hash import prefix_block_hashes, request_extra_keys
+from scheduling import QueueFullError, SamplingParams, SpecDecodeStats
+
+log = logging.getLogger("headrace.replicas")
+
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# A replica up this long has its backoff reset.
+STABLE_S = 30.0
+
+
+class Channel(Protocol):
+    """The front door's end of one replica (a process's socket, a Ray actor)."""
+
+    pid: int | None
+
+    def send(self, message: Any) -> None: ...
+
+    async def recv(self) -> FromReplica: ...
+
+    def kill(self) -> None: ...
+
+    async def close(self, timeout: float) -> None: ...
+
+
+class Backend(Protocol):
+    """Starts (or reaches) replica `spec.index` and returns its channel once it said Hello."""
+
+    name: str
+
+    async def connect(self, spec: ReplicaSpec) -> tuple[Channel, Hello]: ...
+
+    async def shutdown(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Replica:
+    """The front door's state for one replica."""
+
+    index: int
+    channel: Channel | None = None
+    healthy: bool = False
+    restarts: int = 0
+    up_since: float = 0.0
+    load: EngineStats = field(default_factory=EngineStats)
+    streams: dict[str, ReplicaStream] = field(default_factory=dict)
+    # Hand-once figures from the replica's Loads, kept until the next scrape.
+    compile_seconds: list[float] = field(default_factory=list)
+    tenant_seconds: list[tuple[str, float]] = field(default_factory=list)
+
+    def route_load(self) -> ReplicaLoad:
+        # The front door's own count is current; the replica's report lags by a frame.
+        in_flight = len(self.streams)
+        running = min(self.load.running, in_flight)
+        return ReplicaLoad(
+            self.index, self.healthy, running, in_flight - running, self.load.kv_usage
+        )
+
+
+class ReplicaSet:
+    """N engine replicas behind one EngineClient; see the module docstring."""
+
+    def __init__(
+        self, config: EngineConfig, n: int, backend: Backend, router: Any, overlap: bool | None
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.router = router
+        self.policy = getattr(router, "name", type(router).__name__)
+        self.replicas = [Replica(i) for i in range(n)]
+        self.overlap = overlap
+        self.info: ModelInfo | None = None  # type: ignore[assignment]
+        self.tokenizer: Any = None
+        self.totals = RouterTotals()
+        self._ids = itertools.count()
+        self._supervisors: list[asyncio.Task[None]] = []
+        self._ready: list[asyncio.Event] = []
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def open(self, tokenizer: Any) -> None:
+        """Start every replica and wait until all have said Hello (the first start must work)."""
+        self.tokenizer = tokenizer
+        loop = asyncio.get_running_loop()
+        self._ready = [asyncio.Event() for _ in self.replicas]
+        first = await asyncio.gather(*(self._connect(r) for r in self.replicas))
+        info = first[0].info
+        self.info = replace(info, max_waiting=info.max_waiting * len(self.replicas))
+        self._supervisors = [
+            loop.create_task(self._supervise(r), name=f"replica-{r.index}") for r in self.replicas
+        ]
+
+    def start(self) -> None:
+        """Replicas start in `open`; nothing more to do."""
+
+    def end_all(self, why: str) -> int:
+        """Abort every request in flight, handing each reader a last delta (finish "abort",
+        stop reason `why`); returns how many were ended."""
+        ended = 0
+        for r in self.replicas:
+            streams, r.streams = r.streams, {}
+            if streams and r.channel is not None:
+                r.channel.send(Abort(list(streams)))
+            for rid, stream in streams.items():
+                stream.put(Delta.ending(rid, "abort", why))
+            ended += len(streams)
+        return ended
+
+    async def stop(self, wait: bool = True) -> None:
+        """Stop every replica (the caller drained first) and wait for them to exit. `wait`
+        is the EngineClient's: replicas always get a bounded wait (their channel's close)."""
+        self._stopping = True
+        for r in self.replicas:
+            if r.channel is not None:
+                r.channel.send(Stop())
+        for task in self._supervisors:
+            task.cancel()
+        for task in self._supervisors:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for r in self.replicas:
+            if r.channel is not None:
+                await r.channel.close(timeout=10.0)
+                r.channel = None
+        await self.backend.shutdown()
+
+    async def _connect(self, r: Replica) -> Hello:
+        spec = ReplicaSpec(r.index, self.config, self.overlap)
+        channel, hello = await self.backend.connect(spec)
+        r.channel, r.healthy, r.up_since = channel, True, time.monotonic()
+        r.load = EngineStats()
+        self.router.on_replica_reset(r.index)
+        log.info("replica %d up (pid %s, %d threads)", r.index, hello.pid, hello.threads)
+        return hello
+
+    async def _supervise(self, r: Replica) -> None:
+        failures = 0
+        while not self._stopping:
+            if r.channel is None:
+                try:
+                    await self._connect(r)
+                except (ConnectionError, OSError) as e:
+                    log.error("replica %d failed to start: %s", r.index, e)
+                    await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                    failures += 1
+                    continue
+            assert r.channel is not None
+            try:
+                while True:
+                    self._receive(r, await r.channel.recv())
+            except ConnectionError as e:
+                if self._stopping:
+                    return
+                self._lost(r, str(e))
+            if time.monotonic() - r.up_since > STABLE_S:
+                failures = 0
+            await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+            failures += 1
+            r.restarts += 1
+
+    def _lost(self, r: Replica, why: str) -> None:
+        log.error(
+            "replica %d lost (%s); %d requests fail; restarting", r.index, why, len(r.streams)
+        )
+        r.healthy = False
+        r.load = EngineStats()
+        channel, r.channel = r.channel, None
+        if channel is not None:
+            channel.kill()
+        self.router.on_replica_reset(r.index)
+        streams, r.streams = r.streams, {}
+        for rid, stream in streams.items():
+            stream.put(Delta.ending(rid, "error", f"replica {r.index} failed: {why}"))
+
+    def _receive(self, r: Replica, message: FromReplica) -> None:
+        if isinstance(message, Deltas):
+            if message.kv_events:
+                self.router.on_kv_events(r.index, message.kv_events)
+            for delta in message.deltas:
+                stream = r.streams.get(delta.request_id)
+                if stream is None:
+                    continue
+                if not stream.first_seen:
+                    stream.first_seen = True
+                    self.totals.reported_cached_tokens += delta.num_cached_tokens
+                if delta.finished:
+                    del r.streams[delta.request_id]
+                stream.put(delta)
+        elif isinstance(message, Load):
+            r.load = message.stats
+            r.compile_seconds.extend(message.stats.grammar_compile_seconds)
+            r.tenant_seconds.extend(message.stats.tenant_queue_seconds)
+            if message.kv_events:
+                self.router.on_kv_events(r.index, message.kv_events)
+        elif isinstance(message, Rejected):
+            stream = r.streams.pop(message.request_id, None)
+            if stream is not None:
+                reason = "rejected" if message.kind == "queue_full" else "error"
+                stream.put(Delta.ending(message.request_id, reason, message.message))
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, **options: Any
+    ) -> ReplicaStream:
+        """Check, route and send a request; raises ValueError or QueueFullError at once."""
+        assert self.info is not None, "ReplicaSet.open() first"
+        ids = [int(t) for t in prompt_ids]
+        check_prompt(ids, self.info.vocab_size)
+        check_vocab(params, self.info.vocab_size)
+        if options.get("grammar") is not None and params.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured output")
+        rid = options.pop("request_id", None) or f"dp-{next(self._ids)}"
+        candidates = [r.route_load() for r in self.replicas if r.healthy]
+        if not candidates:
+            stream = ReplicaStream(rid, -1, lambda _: None)
+            stream.put(Delta.ending(rid, "rejected", "no replica is serving"))
+            return stream
+        hashes: list[Any] = []
+        if self.config.enable_prefix_caching:
+            extra = request_extra_keys(options.get("cache_salt"))
+            hashes = prefix_block_hashes(
+                ids, self.config.block_size, self.config.prefix_cache_hash, extra
+            )
+        decision = self.router.pick(RouteRequest(ids, hashes), candidates)
+        r = self.replicas[decision.index]
+        per_replica = self.info.max_waiting // len(self.replicas)
+        if per_replica and r.route_load().waiting >= per_replica:
+            raise QueueFullError(
+                f"replica {r.index}: {per_replica} requests already waiting (--max-waiting)"
+            )
+        key = (self.policy, decision.reason)
+        self.totals.decisions[key] = self.totals.decisions.get(key, 0) + 1
+        self.totals.predicted_cached_tokens += decision.predicted_cached_tokens
+        stream = ReplicaStream(rid, r.index, self.abort)
+        r.streams[rid] = stream
+        assert r.channel is not None
+        r.channel.send(Add(rid, ids, params, options))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        for r in self.replicas:
+            if r.streams.pop(request_id, None) is not None and r.channel is not None:
+                r.channel.send(Abort([request_id]))
+                return
+
+    def adapters(self) -> list[AdapterInfo]:
+        """LoRA over replicas is not wired yet: none served."""
+        return []
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        raise ValueError("lora: runtime adapters are not available with data-parallel replicas")
+
+    def unload_adapter(self, name: str) -> None:
+        raise LookupError(f"lora: adapter {name!r} is not loaded")
+
+    @property
+    def num_in_flight_requests(self) -> int:
+        return sum(len(r.streams) for r in self.replicas)
+
+    def in_flight_ids(self) -> list[str]:
+        return [rid for r in self.replicas for rid in r.streams]
+
+    def stats(self) -> EngineStats:
+        """The replicas' figures added up (rates weighted by tokens looked up), plus each one."""
+        out = EngineStats(spec=SpecDecodeStats(), router=self.totals)
+        hits = 0.0
+        for r in self.replicas:
+            s = r.load
+            out.running += s.running
+            out.waiting += s.waiting
+            out.kv_usage += s.kv_usage / len(self.replicas)
+            out.prefix_query_tokens += s.prefix_query_tokens
+            hits += s.prefix_hit_rate * s.prefix_query_tokens
+            out.preemptions += s.preemptions
+            out.constrained_requests += s.constrained_requests
+            out.grammar_cache_hits += s.grammar_cache_hits
+            out.grammar_cache_misses += s.grammar_cache_misses
+            out.grammar_compile_seconds += r.compile_seconds
+            out.tenant_queue_seconds += r.tenant_seconds
+            r.compile_seconds, r.tenant_seconds = [], []
+            for name in ("num_proposed", "num_verified", "num_accepted", "num_verify_steps"):
+                setattr(out.spec, name, getattr(out.spec, name) + getattr(s.spec, name))
+            out.replicas.append(
+                ReplicaStatus(
+                    r.index,
+                    r.healthy,
+                    r.restarts,
+                    s.running,
+                    s.waiting,
+                    s.kv_usage,
+                    s.prefix_hit_rate,
+                )
+            )
+        if out.prefix_query_tokens:
+            out.prefix_hit_rate = hits / out.prefix_query_tokens
+        return out
