@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -16,28 +15,27 @@ from collections.abc import Sequence
 import torch
 
 from daemon.engine import kv_connector as kv_connectors
-from daemon.engine import speculative
+from daemon.engine import offline, speculative
 from daemon.engine.admission import check_prompt, check_vocab
 from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo
-from daemon.engine.config import EngineConfig, default_threads
+from daemon.engine.config import EngineConfig
 from daemon.engine.grammar_requests import GrammarRequests
 from daemon.engine.kv_sizing import num_kv_blocks, uses_cuda_graphs
-from daemon.engine.loaded_model import LoadedModel, pick_device
+from daemon.engine.loaded_model import LoadedModel
 from daemon.engine.lora import adapter_info, lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
+from daemon.engine.setup import describe, make_policy, thread_governor
+from daemon.engine.stats import engine_stats
 from grammars import GrammarSpec
 from grammars.limits import GrammarLimits
 from kvcache import KVCacheManager
-from plugins import load_policy
 from runner.device_queue import PendingOutput
 from runner.lora import LoRARegistry, UnknownAdapterError
 from runner.model_runner import ModelRunner
-from runner.thread_governor import ThreadGovernor
 from scheduling import (
     DEFAULT_TENANT,
     SLO,
-    Policy,
     Request,
     RequestOutput,
     RequestStatus,
@@ -48,7 +46,6 @@ from scheduling import (
     SchedulerOutput,
     StepStats,
 )
-from scheduling.policies.fair import parse_tenant_weights
 
 log = logging.getLogger("headrace.engine")
 
@@ -63,7 +60,7 @@ class Engine:
         record_kv_events: bool = False,
     ):
         self.config = config = config or EngineConfig()
-        self.governor = _thread_governor(config)
+        self.governor = thread_governor(config)
         loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.tokenizer, self.model, self.model_config = (
@@ -156,25 +153,7 @@ class Engine:
             config.grammar_compile_timeout,
             config.grammar_workers,
         )
-        log.info(
-            "engine: %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, %d threads "
-            "(OMP_WAIT_POLICY=%s, thread governor %s), speculative %s, LoRA %s",
-            self.model_name,
-            self.model_config.architecture,
-            self.device,
-            self.dtype,
-            self.runner.attn_backend.name,
-            num_blocks,
-            config.block_size,
-            torch.get_num_threads(),
-            os.environ.get("OMP_WAIT_POLICY", "unset"),
-            "on" if self.governor else "off",
-            speculative.describe(self.speculative),
-            f"{len(self.loras)} adapter(s), {config.max_loras} slots of rank <= "
-            f"{config.max_lora_rank}"
-            if self.loras is not None
-            else "off",
-        )
+        log.info("%s", describe(self))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -376,27 +355,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Load and cache figures now (loop thread: it reads scheduler state)."""
-        sched, kv, grammars = self.scheduler, self.kv, self.grammars
-        compiles = grammars.stats
-        return EngineStats(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            kv_usage=kv.usage(),
-            prefix_hit_rate=kv.prefix_stats.hit_rate,
-            prefix_query_tokens=kv.prefix_stats.queries,
-            preemptions=sched.num_preemptions,
-            constrained_requests=grammars.num_requests,
-            grammar_cache_hits=compiles.hits if compiles else 0,
-            grammar_cache_misses=compiles.misses if compiles else 0,
-            grammar_compile_seconds=list(compiles.drain_compile_seconds()) if compiles else [],
-            spec=sched.spec_stats,
-            tenant_queue_seconds=self._drain_queue_times(),
-        )
-
-    def _drain_queue_times(self) -> list[tuple[str, float]]:
-        out = list(self.queue_times)
-        self.queue_times.clear()
-        return out
+        return engine_stats(self)
 
     # -- scripts -------------------------------------------------------------------------
 
@@ -407,55 +366,6 @@ class Engine:
         grammars: Sequence[GrammarSpec | None] | None = None,
         loras: Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Run `prompts` to completion together; results in prompt order.
-
-        `params`, `grammars` and `loras` (adapter names, None for the base) may be one per
-        prompt.
-        """
-        per_params = params if isinstance(params, Sequence) else [params] * len(prompts)
-        per_grammar = grammars if grammars is not None else [None] * len(prompts)
-        per_lora = loras if loras is not None else [None] * len(prompts)
-        ids = [
-            self.add_request(p, sp, grammar=g, lora=lora)
-            for p, sp, g, lora in zip(prompts, per_params, per_grammar, per_lora, strict=True)
-        ]
-        results = {rid: Completion(rid) for rid in ids}
-        # Offline, the batch starts together once its grammars are compiled: the steps
-        # (and so the outputs) do not depend on how fast the compile threads were.
-        self.grammars.wait_compiled()
-        while self.has_unfinished_requests():
-            for d in self.step():
-                c = results.get(d.request_id)
-                if c is None:
-                    continue
-                c.text += d.text
-                c.token_ids += d.new_token_ids
-                if d.finished:
-                    c.finish_reason = d.finish_reason
-                    c.error = d.bad_request
-                    c.prompt_tokens, c.cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
-        self.release_finished()
-        return [results[rid] for rid in ids]
-
-
-def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
-    """Sets torch's thread count; returns the governor when it should adapt it per step."""
-    if not (config.threads or pick_device(config.device).type == "cpu"):
-        return None
-    threads = config.threads or default_threads()
-    torch.set_num_threads(threads)
-    governor = ThreadGovernor(threads)
-    # A PASSIVE team sleeps instead of spinning: it never waits on a lost core.
-    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    # --deterministic: a fixed team (the kernels' split of the work follows it).
-    governed = config.thread_governor and not config.deterministic
-    return governor if governed and governor.enabled and not passive else None
-
-
-def make_policy(config: EngineConfig) -> Policy:
-    """The configured policy; `--tenant-weights` go to `fair`, the one policy that has them."""
-    if not config.tenant_weights:
-        return load_policy(config.policy)
-    if config.policy != "fair":
-        raise ValueError(f"tenant_weights: only the fair policy has them, not {config.policy!r}")
-    return load_policy("fair", weights=parse_tenant_weights(config.tenant_weights))
+        """Run `prompts` to completion together; results in prompt order (daemon/engine/
+        offline.py). `params`, `grammars` and `loras` may be one per prompt."""
+        return offline.generate(self, prompts, params, grammars, loras)
