@@ -1,5 +1,5 @@
-"""aiohttp's connection handling with our limits: a connection cap, JSON protocol errors
-that never echo (or log) a header, and half-closed clients still answered.
+"""aiohttp's connection handling with our limits: a connection cap, and JSON protocol
+errors that never echo (or log) a header.
 
 - Idle and slow connections: aiohttp's keep-alive timer (`keepalive_timeout`) starts when
   a connection opens and closes it while no complete request has arrived, so it bounds a
@@ -10,8 +10,10 @@ that never echo (or log) a header, and half-closed clients still answered.
   runs; aiohttp answers them text/plain and logs the exception, whose text holds the
   offending bytes (`Authorization: Bearer secret\\x00`). Here: the JSON error shape, and a
   log line with the status and the error's class only.
-- A client that half-closes (shutdown(SHUT_WR)) after its request still gets the answer:
-  EOF keeps the transport open for writing instead of closing it.
+- NOTE: EOF from the client still ends its request (aiohttp's default): a half-close
+  (shutdown(SHUT_WR)) and a client that gave up and closed both arrive as one FIN, and a
+  non-streamed answer writes nothing until its end that could tell them apart, so keeping
+  half-closed clients would let every client that leaves hold its KV blocks to the end.
 
 Tested on aiohttp 3.14 (the private hooks used: Server.__call__, AppRunner._make_server).
 """
@@ -40,10 +42,6 @@ class GuardedRequestHandler(RequestHandler):
         if isinstance(server, GuardedServer) and server.full():
             self._request_handler = _over_capacity
         super().connection_made(transport)
-
-    def eof_received(self) -> bool:
-        # True keeps the write side open: the answer still goes out after a half-close.
-        return True
 
     def handle_error(
         self,
