@@ -127,7 +127,7 @@ def main() -> None:
     if not args.no_corpus:
         schemas.update({f"corpus/{c.name}": c.schema for c in CASES})
 
-    compiler = GrammarCompiler(tokenizer, VOCAB, [STOP], cache_size=1)
+    compiler = GrammarCompiler(tokenizer, VOCAB, [STOP], cache_bytes=0)
 
     def ours(schema):
         # Every schema differs from the one before: each compile is cold.

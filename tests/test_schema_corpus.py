@@ -32,7 +32,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, VOCAB, [STOP], cache_size=256)
+    return GrammarCompiler(tokenizer, VOCAB, [STOP])
 
 
 def _text(instance: object) -> str:

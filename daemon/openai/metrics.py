@@ -76,7 +76,8 @@ class Metrics:
         )
         self.spec_decode = SpecDecodeMetrics(r)
         self.tenants = TenantMetrics(r)
-        self.replicas = ReplicaMetrics(r)
+        # Registered on the first scrape that has replicas: one in-process engine shows none.
+        self.replicas: ReplicaMetrics | None = None
 
         self.grammar_compile = Histogram(
             "headrace_grammar_compile_seconds",
@@ -114,7 +115,10 @@ class Metrics:
         advance(self.grammar_misses, stats.grammar_cache_misses)
         self.spec_decode.update(stats.spec)
         self.absorb(stats)
-        self.replicas.update(stats)
+        if stats.replicas:
+            if self.replicas is None:
+                self.replicas = ReplicaMetrics(self.registry)
+            self.replicas.update(stats)
         return generate_latest(self.registry)
 
     def absorb(self, stats: EngineStats) -> None:
