@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import xgrammar as xgr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,37 +32,19 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
 
 from schemas import SCHEMAS  # noqa: E402
 
-from grammars import GrammarCompiler, GrammarError, GrammarSpec, GrammarState  # noqa: E402
-from grammars.matcher import allocate_bitmask  # noqa: E402
+from grammars import GrammarCompiler, GrammarError, GrammarSpec  # noqa: E402
 from grammars.schema.validation import output_errors  # noqa: E402
 from runner.model_source import resolve_model  # noqa: E402
 from runner.tokenizer import load_tokenizer  # noqa: E402
 from tests.schema_corpus import CASES  # noqa: E402
-
-VOCAB = 49152
-STOP = 2
-
-
-def walk(compiled, tokenizer, rng: random.Random, max_tokens: int) -> str | None:
-    """One random output, or None when it did not finish within max_tokens."""
-    state, mask, ids = GrammarState(compiled), allocate_bitmask(1, VOCAB), []
-    for _ in range(max_tokens):
-        state.fill(mask, 0)
-        bits = ((mask[0].unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:VOCAB]
-        allowed = torch.nonzero(bits).flatten().tolist()
-        if STOP in allowed and (len(allowed) == 1 or rng.random() < 0.5):
-            return tokenizer.decode(ids)
-        token = rng.choice([t for t in allowed if t != STOP])
-        state.accept_tokens([token])
-        ids.append(token)
-    return None
+from tests.schema_corpus.walk import STOP, VOCAB, random_walk  # noqa: E402
 
 
 def leaks_of(compiled, schema, tokenizer, rng, walks: int, max_tokens: int) -> tuple[int, int]:
     """(outputs validated, outputs that failed validation)."""
     validated = leaks = 0
     for _ in range(walks):
-        text = walk(compiled, tokenizer, rng, max_tokens)
+        text = random_walk(compiled, tokenizer, rng, max_tokens)
         if text is None:
             continue
         validated += 1

@@ -11,16 +11,14 @@ import json
 import random
 
 import pytest
-import torch
 
-from grammars import GrammarCompiler, GrammarError, GrammarSpec, GrammarState, allocate_bitmask
+from grammars import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 from tests.schema_corpus import CASES
 from tests.schema_corpus.oracles import validate
+from tests.schema_corpus.walk import STOP, VOCAB, random_walk
 
-VOCAB = 49152
-STOP = 2
 ENFORCED = [c for c in CASES if c.refused is None]
 REFUSED = [c for c in CASES if c.refused is not None]
 
@@ -74,28 +72,13 @@ def test_refused_classes_name_the_keyword(case):
     assert "#" in message  # a JSON pointer
 
 
-def _walk(compiled, tokenizer, rng: random.Random, max_tokens: int) -> str | None:
-    """A random model: any allowed token, ending where allowed; None if cut off."""
-    state, mask, ids = GrammarState(compiled), allocate_bitmask(1, VOCAB), []
-    for _ in range(max_tokens):
-        state.fill(mask, 0)
-        bits = ((mask[0].unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:VOCAB]
-        allowed = torch.nonzero(bits).flatten().tolist()
-        if STOP in allowed and (len(allowed) == 1 or rng.random() < 0.5):
-            return tokenizer.decode(ids)
-        token = rng.choice([t for t in allowed if t != STOP])
-        assert state.accept_tokens([token]) == 1
-        ids.append(token)
-    return None
-
-
 def test_random_walks_end_in_valid_outputs(compiler, tokenizer):
     rng = random.Random(0)
     finished = 0
     for case in ENFORCED:
         compiled = compiler.compile(GrammarSpec.json_schema(case.schema))
         for _ in range(3):
-            text = _walk(compiled, tokenizer, rng, max_tokens=24)
+            text = random_walk(compiled, tokenizer, rng, max_tokens=24)
             if text is None:
                 continue
             finished += 1
