@@ -225,8 +225,11 @@ def select_platform(
     float_format = "onednn" if chosen == torch.bfloat16 and onednn_bf16_available() else "float"
     # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
     # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
-    # tokens on Zen 3. torch._int_mm accumulates in int32 at full range.
-    kernel = default_int8_kernel() if feats.vnni else "int_mm"
+    # tokens on Zen 3. torch._int_mm accumulates in int32 at full range, but served 2.7x slower
+    # at c=8 there (TPOT 404 vs 153 ms), so only an explicit --quantization int8 takes it; auto
+    # keeps fbgemm's speed until an AVX2 int8 kernel of our own replaces both.
+    exact = quantization == "int8" and not feats.vnni
+    kernel = "int_mm" if exact else default_int8_kernel()
     fmt = float_format
     if quantization == "int8":
         fmt = "int8"
