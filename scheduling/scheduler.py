@@ -23,6 +23,7 @@ from scheduling.policy import Decision, LoadView, Policy
 from scheduling.request import Request, RequestStatus
 from scheduling.spec_stats import SpecDecodeStats
 from scheduling.step_builder import StepBuilder
+from scheduling.step_cap import StepCap
 
 
 class QueueFullError(RuntimeError):
@@ -106,36 +107,46 @@ class Scheduler:
         ri = wi = 0
         admit_more = True
         urgent_step = False
+        capped = StepCap(self.policy, now)
         while step.budget > 0:
             r = running[ri] if ri < len(running) else None
             w = waiting[wi] if admit_more and wi < len(waiting) else None
-            if w is not None and (r is None or ranks[w.request_id] < ranks[r.request_id]):
-                wi += 1
-                # Head-of-line in policy order: if the best waiting request does not fit,
-                # nothing ranked after it jumps ahead.
-                admit_more = self._admit(w, ranks[w.request_id], running, ri, ranks, step, now)
-                urgent_step |= r is not None and self._isolates(w)
-            elif urgent_step:
+            take_waiting = w is not None and (
+                r is None or ranks[w.request_id] < ranks[r.request_id]
+            )
+            nxt = w if take_waiting else r
+            if nxt is None or (urgent_step and not take_waiting):
                 # The step of an urgent first prefill carries nothing ranked below it: the
                 # decodes and chunks it jumped wait one step, so its first token comes as
                 # fast as on an idle engine (the policy asks for this: urgent_prefill_alone).
                 break
-            elif r is not None:
+            room = capped.room(nxt, step, take_waiting and not self.config.enable_chunked_prefill)
+            if room <= 0:
+                break  # the policy's cap: everything ranked after waits for a later step
+            before = step.num_tokens
+            if take_waiting:
+                wi += 1
+                # Head-of-line in policy order: if the best waiting request does not fit,
+                # nothing ranked after it jumps ahead.
+                admit_more = self._admit(
+                    w, ranks[w.request_id], running, ri, ranks, step, now, room
+                )
+                urgent_step |= r is not None and self._isolates(w)
+            else:
                 ri += 1
                 # vLLM's rule: a step that had to preempt admits nothing new.
-                admit_more &= self._schedule_running(r, running, ri, step)
-            else:
-                break
+                admit_more &= self._schedule_running(r, running, ri, step, room)
+            capped.took(step.num_tokens - before)
         out = step.build(self._finished_ids, self._preempted_ids)
         out.kv_connector_meta = self.kv_loads.build_meta(step.scheduled)
         self._finished_ids, self._preempted_ids = set(), set()
         return out
 
     def _schedule_running(
-        self, req: Request, running: list[Request], ri: int, step: StepBuilder
+        self, req: Request, running: list[Request], ri: int, step: StepBuilder, room: int
     ) -> bool:
         """Give `req` its tokens, preempting from the unscheduled tail; False if it preempted."""
-        num_tokens = self._num_tokens_wanted(req, step.budget)
+        num_tokens = self._num_tokens_wanted(req, room)
         if num_tokens <= 0:
             return True
         # Drafts ride as lookahead: their slots are reserved but never prefix-cached, and
@@ -173,8 +184,10 @@ class Scheduler:
         ranks: dict[str, Any],
         step: StepBuilder,
         now: float,
+        room: int,
     ) -> bool:
-        """Move `req` into the running set if it fits, preempting lower-ranked running ones."""
+        """Move `req` into the running set if it fits, preempting lower-ranked running ones;
+        it gets at most `room` tokens this step."""
         if not self._lora_slot_free(req):
             return True  # it waits for an adapter slot; others may still get in
 
@@ -191,7 +204,7 @@ class Scheduler:
         reserve = self.watermark_blocks if self.running else 0
         if self.kv_loads.try_start(req, hits, num_hit_tokens, reserve):
             return True  # it waits for its KV without budget; the others go on
-        num_tokens = self._num_tokens_wanted(req, step.budget, num_hit_tokens)
+        num_tokens = self._num_tokens_wanted(req, room, num_hit_tokens)
         num_computed = req.num_computed_tokens + num_hit_tokens
         if not self.config.enable_chunked_prefill and num_tokens < req.num_tokens - num_computed:
             return False

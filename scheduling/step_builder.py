@@ -11,6 +11,7 @@ class StepBuilder:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.num_tokens = 0
         self.new: list[NewRequestData] = []
         self.cached: list[CachedRequestData] = []
         self.scheduled: list[tuple[Request, int]] = []
@@ -39,6 +40,7 @@ class StepBuilder:
     def _take(self, req: Request, num_tokens: int) -> None:
         assert 0 < num_tokens <= self.budget
         self.budget -= num_tokens
+        self.num_tokens += num_tokens
         self.scheduled.append((req, num_tokens))
 
     def build(self, finished: set[str], preempted: set[str]) -> SchedulerOutput:

@@ -1,9 +1,11 @@
-"""Strict priority classes, FCFS within a class."""
+"""Strict priority classes, FCFS within a class, and short steps while urgent work is about."""
 
 from __future__ import annotations
 
+from scheduling.cost_model import OnlineCostModel, StepCostModel
+from scheduling.output import StepStats
 from scheduling.policy import BasePolicy
-from scheduling.request import Request
+from scheduling.request import Request, RequestStatus
 
 
 class PriorityPolicy(BasePolicy):
@@ -12,6 +14,16 @@ class PriorityPolicy(BasePolicy):
     Because the scheduler lets a waiting request preempt a lower-ranked running one, an
     urgent request gets in under load instead of only moving up the queue. The step that
     admits it carries nothing of lower priority (`urgent_prefill_alone`).
+
+    What is left of an urgent request's wait is the step already in flight when it
+    arrives, on average half of it. So while requests of the most urgent class seen in the
+    last `window_s` share the engine with less urgent ones, each step's work for the less
+    urgent ones is capped (`step_token_cap`) so that a step costs at most `urgent_wait` x
+    the predicted time of a typical urgent prefill (an online fit of observed steps), but
+    never below twice the step's fixed cost. On a CPU, where step time grows with the rows,
+    this trades background throughput for the urgent TTFT; where a step's cost is flat in
+    its rows (a GPU's decode) the cap is large and costs little. `urgent_wait=0` turns it
+    off.
     """
 
     name = "priority"
@@ -20,5 +32,69 @@ class PriorityPolicy(BasePolicy):
     # plus the wait for the step in flight.
     urgent_prefill_alone = True
 
-    def rank(self, req: Request, now: float) -> tuple[int, float, str]:
-        return (req.priority, req.arrival_time, req.request_id)
+    def __init__(
+        self,
+        urgent_wait: float = 0.3,
+        window_s: float = 10.0,
+        min_background_tokens: int = 4,
+        prior: StepCostModel | None = None,
+    ) -> None:
+        if urgent_wait < 0:
+            raise ValueError(f"urgent_wait: must be >= 0, got {urgent_wait}")
+        self.urgent_wait = urgent_wait
+        self.window_s = window_s
+        # Less urgent work always gets this many tokens a step: it slows, never starves.
+        self.min_background_tokens = min_background_tokens
+        self.cost = OnlineCostModel(prior)
+        # priority value -> when a request of it was last ranked.
+        self._last_seen: dict[int, float] = {}
+        # priority value -> running mean of its prompt lengths (what an arrival prefills).
+        self._prompt_tokens: dict[int, float] = {}
+
+    def rank(self, req: Request, now: float) -> tuple[int, int, int, float, str]:
+        self._last_seen[req.priority] = now
+        if not req.num_computed_tokens:  # not started: counted a step or two, not a whole run
+            mean = self._prompt_tokens.get(req.priority, float(req.num_prompt_tokens))
+            self._prompt_tokens[req.priority] = mean + 0.1 * (req.num_prompt_tokens - mean)
+        urgent = self.urgent_class(now) if self.urgent_wait else None
+        if urgent is None or req.priority <= urgent:
+            return (req.priority, 0, 0, req.arrival_time, req.request_id)
+        # Capped: a step holds only some of this class, so its running requests take turns
+        # (least output first) and rank ahead of its waiting ones, which would otherwise
+        # evict them to restore arrival order.
+        if req.status == RequestStatus.RUNNING:
+            return (req.priority, 0, req.num_output_tokens, req.arrival_time, req.request_id)
+        return (req.priority, 1, 0, req.arrival_time, req.request_id)
+
+    def observe(self, stats: StepStats) -> None:
+        self.cost.observe(stats.shape, stats.duration_s)
+
+    def urgent_class(self, now: float) -> int | None:
+        """The most urgent priority seen lately, when a less urgent one was seen too."""
+        recent = [p for p, t in self._last_seen.items() if now - t <= self.window_s]
+        if len(recent) < 2:
+            return None
+        return min(recent)
+
+    def step_token_cap(self, req: Request, now: float) -> int | None:
+        """Most tokens a step may hold when `req` is added (None: no cap beyond the budget).
+
+        Urgent requests are never capped; the scheduler guarantees the less urgent ones
+        `min_background_tokens` a step whatever the cap says.
+        """
+        urgent = self.urgent_class(now)
+        if not self.urgent_wait or urgent is None:
+            return None
+        if req.priority <= urgent:
+            return None
+        model = self.cost.model
+        prompt = max(1, round(self._prompt_tokens.get(urgent, 1.0)))
+        target = self.urgent_wait * model.prefill_time(prompt)
+        # Priced at the dearer of a prompt or a decode token: the cap holds for either.
+        per_token = max(model.per_prefill_token_s, model.per_decode_token_s)
+        if per_token < 1e-9:
+            return None  # tokens cost nothing that the fit can see: capping buys nothing
+        # Never so few that a step's fixed cost is most of it: below that, capping costs
+        # more throughput than it saves wait (no step is shorter than its fixed cost).
+        floor = max(self.min_background_tokens, int(model.base_s / per_token))
+        return max(floor, int((target - model.base_s) / per_token))
