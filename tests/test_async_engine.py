@@ -12,6 +12,7 @@ import torch
 from model_fixtures import engine_for, make_tiny_hf_model
 
 from daemon.engine.async_engine import AsyncEngine
+from daemon.engine.client import EngineDeadError
 from daemon.engine.config import EngineConfig
 from daemon.engine.loaded_model import LoadedModel
 from runner.model_runner import kv_bytes_per_block
@@ -144,6 +145,40 @@ async def test_a_failing_step_ends_its_requests_and_the_loop_goes_on(tiny_llama)
         assert len(await collect(engine, [5, 6, 7], params)) == 3
         kv = engine.engine.kv
         assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        await engine.stop()
+
+
+async def test_a_dying_loop_ends_every_stream_and_refuses_new_requests(tiny_llama):
+    # A bug outside a step (here: the scheduler raising) used to kill the loop task
+    # silently: every stream, the warm-up's included, waited forever.
+    engine = AsyncEngine(engine_for(tiny_llama))
+    told: list[str] = []
+    engine.on_failure = told.append
+    real_schedule = engine.engine.schedule
+    calls = {"n": 0}
+
+    def broken_schedule():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise NameError("simulated scheduler bug")
+        return real_schedule()
+
+    engine.engine.schedule = broken_schedule
+    try:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+        async def drain(prompt: list[int]) -> list:
+            return [d async for d in engine.generate(prompt, params)]
+
+        ends = await asyncio.wait_for(asyncio.gather(*map(drain, prompts(3))), timeout=30)
+        for deltas in ends:
+            assert deltas[-1].finish_reason == "error"
+            assert "simulated scheduler bug" in str(deltas[-1].stop_reason)
+        assert len(told) == 1 and "NameError" in told[0]
+        assert engine.stats().failure == told[0]
+        with pytest.raises(EngineDeadError, match="simulated scheduler bug"):
+            engine.add_request([5, 6, 7], params)
     finally:
         await engine.stop()
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from daemon.engine.client import AdapterInfo, EngineStats
+from daemon.engine.client import AdapterInfo, EngineDeadError, EngineStats
 from daemon.engine.engine import Engine
 from daemon.engine.lora import load_at_run_time
 from daemon.engine.outputs import Delta
@@ -100,12 +100,16 @@ class AsyncEngine:
         # A stream holding this many undelivered deltas (its client stopped reading) is
         # ended: memory per request stays bounded whatever the client does.
         self.max_pending_deltas = 4096
+        # Set once if the loop dies (see _run_guarded); then told to `on_failure`.
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        if self._task is None and self.failure is None:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run_guarded(), name="engine-loop")
 
     async def stop(self, wait: bool = True) -> None:
         """Stop the loop task. `wait=False` leaves a forward that is still running to end
@@ -127,6 +131,8 @@ class AsyncEngine:
         return list(self._streams)
 
     def stats(self) -> EngineStats:
+        if self.failure is not None:  # scheduler state may be what broke: read none of it
+            return EngineStats(failure=self.failure)
         return self.engine.stats()
 
     # -- requests ------------------------------------------------------------------------
@@ -140,6 +146,8 @@ class AsyncEngine:
         lora). Raises ValueError (bad input), LookupError (no such adapter) or QueueFullError
         (come back later) right here.
         """
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
         self.start()
         rid = self.engine.add_request(prompt, params, **options)
         stream = RequestStream(self, rid)
@@ -189,6 +197,25 @@ class AsyncEngine:
         return len(ids)
 
     # -- the loop ------------------------------------------------------------------------
+
+    async def _run_guarded(self) -> None:
+        """The loop; if it raises, every reader gets an error delta instead of waiting
+        forever, new requests are refused (EngineDeadError) and `on_failure` is told (the
+        daemon exits non-zero for systemd to restart it; a replica exits for its front
+        door to restart it). A failed step does not get here: `fail_step` ends its
+        requests and the loop goes on."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("engine loop died; ending every request")
+            self.failure = f"engine loop died: {type(e).__name__}: {e}"
+            ids = list(self._streams)
+            for rid in ids:
+                self._streams.pop(rid).put_nowait(Delta.ending(rid, "error", self.failure))
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

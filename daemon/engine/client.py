@@ -19,6 +19,10 @@ from daemon.engine.outputs import Delta
 from scheduling import SamplingParams, SpecDecodeStats
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop died (a bug, not bad input): no request can be served (503)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """The served model as the front door needs to know it (limits it checks up front)."""
@@ -90,6 +94,8 @@ class EngineStats:
     # Data-parallel serving only: each replica, and the router's totals (empty/None else).
     replicas: list[ReplicaStatus] = field(default_factory=list)
     router: RouterTotals | None = None
+    # Why the engine loop died (None while it serves): /health answers 503 with it.
+    failure: str | None = None
 
 
 class DeltaStream(Protocol):

@@ -13,7 +13,8 @@ async def warm_up(engine: EngineClient) -> None:
         SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
     )
     try:
-        async for _ in stream:
-            pass
+        async for delta in stream:
+            if delta.finish_reason == "error":
+                raise RuntimeError(f"warm-up request failed: {delta.stop_reason}")
     finally:
         stream.close()

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from daemon.engine.client import EngineClient
+from daemon.engine.client import EngineClient, EngineDeadError
 from daemon.engine.outputs import Delta
 from daemon.openai.auth import API_KEY_NAME, access
 from daemon.openai.choices import Choice, merged
@@ -127,7 +127,10 @@ class APIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
             return json_response({"status": "draining"}, 503)
-        replicas = self.engine.stats().replicas
+        stats = self.engine.stats()
+        if stats.failure is not None:
+            return json_response({"status": "failed", "error": stats.failure}, 503)
+        replicas = stats.replicas
         if not replicas:
             return json_response({"status": "ok"})
         # Data-parallel: serving while any replica serves; the body names the ones down.
@@ -333,6 +336,9 @@ class APIServer:
         except ValidationError as e:
             self._close(choices)
             raise APIError(400, str(e), e.param) from None
+        except EngineDeadError as e:
+            self._close(choices)
+            raise APIError(503, str(e), kind="unavailable") from None
         except LookupError as e:  # its adapter was unloaded since `resolve`
             self._close(choices)
             raise APIError(404, f"model: {e}", "model", kind="not_found_error") from None

@@ -62,6 +62,7 @@ class ReplicaCore:
         self._flush_scheduled = False
         self._load_task: asyncio.Task[None] | None = None
         self.stopped = asyncio.Event()
+        self.failure: str | None = None
 
     async def start(self) -> Hello:
         """Load the model on the runner thread, warm up, start publishing load."""
@@ -75,10 +76,17 @@ class ReplicaCore:
         if overlap is None:
             overlap = engine.device.type == "cuda"
         self.engine = AsyncEngine(engine, overlap=overlap, executor=runner_thread)
+        self.engine.on_failure = self._engine_died
         await warm_up(self.engine)
         self._drain_events()  # warm-up blocks are the replica's own; the router starts empty
         self._load_task = loop.create_task(self._publish_load(), name="replica-load")
         return Hello(engine.info, os.getpid(), cfg.threads or torch.get_num_threads())
+
+    def _engine_died(self, why: str) -> None:
+        # Its streams got their error deltas; the replica exits and the front door
+        # restarts it (the same path as a crashed replica process).
+        self.failure = why
+        self.stopped.set()
 
     def handle(self, message: ToReplica) -> None:
         assert self.engine is not None

@@ -63,6 +63,9 @@ async def _serve(sock: socket.socket) -> int:
     receiver.cancel()
     await core.stop()
     writer.close()
+    if core.failure is not None:
+        log.error("replica %d stopped: %s", spec.index, core.failure)
+        return 1
     return 0
 
 

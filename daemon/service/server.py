@@ -142,6 +142,16 @@ async def serve(config: ServeConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    failures: list[str] = []
+    if isinstance(async_engine, AsyncEngine):
+
+        def engine_died(why: str) -> None:
+            # Its requests have their errors already; exit non-zero so systemd (or whoever
+            # runs us) restarts a daemon that can serve, instead of answering 503 forever.
+            failures.append(why)
+            stop.set()
+
+        async_engine.on_failure = engine_died
     await stop.wait()
 
     await drain_and_stop(
@@ -156,6 +166,9 @@ async def serve(config: ServeConfig) -> int:
     if uds_sock is not None and config.server.uds:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.server.uds)
+    if failures:
+        log.error("stopped: %s", failures[0])
+        return 1
     log.info("stopped")
     return 0
 
