@@ -58,11 +58,14 @@ def prefill_ms(engine: Engine, batch: int, length: int, seed: int) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def attention_ms(loaded: LoadedModel, chunk: int, cached: int, block_size: int) -> tuple[float, float]:
+def attention_ms(
+    loaded: LoadedModel, chunk: int, cached: int, block_size: int
+) -> tuple[float, float]:
     """(vector kernel, SDPA) ms for one layer's attention over one chunk."""
     cfg = loaded.config
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    kernel, sdpa = time_prefill_step([cached], [chunk], heads, kv_heads, dim, loaded.dtype, block_size, 5)
+    shape = (heads, kv_heads, dim, loaded.dtype, block_size, 5)
+    kernel, sdpa = time_prefill_step([cached], [chunk], *shape)
     return kernel * 1e3, sdpa * 1e3
 
 

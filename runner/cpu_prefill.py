@@ -91,9 +91,9 @@ def choose_vec_prefill(
         return PrefillChoice(False, False)
     torch.manual_seed(0)
     try:
-        fresh = time_prefill_step([0, 0], [256, 256], heads, kv_heads, head_dim, dtype, block_size,
-                           rounds)  # fmt: skip
-        continued = time_prefill_step([512], [256], heads, kv_heads, head_dim, dtype, block_size, rounds)
+        shape_args = (heads, kv_heads, head_dim, dtype, block_size, rounds)
+        fresh = time_prefill_step([0, 0], [256, 256], *shape_args)
+        continued = time_prefill_step([512], [256], *shape_args)
     except RuntimeError as e:  # e.g. a build without AVX2: the op says why
         log.warning("prompt attention (%s): SDPA (vector kernel unusable: %s)", shape, e)
         return PrefillChoice(False, False)
