@@ -6,8 +6,9 @@
 // up to its last position, N at a time (N = Vec::N, always inside one block): the N keys are
 // transposed into [D][N], so each row's N scores are one vector of broadcast-FMAs (with
 // AVX512-BF16 and a bf16 cache the bf16 pairs are transposed as 32-bit words and multiplied
-// by _mm512_dpbf16_ps, no widening); online softmax in fp32; each value row is widened once
-// per few rows and accumulated in fp32.
+// by _mm512_dpbf16_ps, no widening); online softmax in fp32; values accumulated in fp32, each
+// row widened once per few query rows (with AVX512-BF16: P rounded to bf16, as the AMX kernel
+// does, times value rows paired across keys on _mm512_dpbf16_ps).
 //
 //   paged_prefill_attention_vec_(out [T, H, D], q [T, H, D], kv_cache [2, N, S, KVH, D],
 //                                block_tables [B, max_blocks], seq_lens [B], q_starts [B],
@@ -146,6 +147,69 @@ void scores_bf16(const uint32_t* q, const uint32_t* kw, int64_t rows, float* s) 
     for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s + (r0 + i) * N, acc[i]);
   }
 }
+
+// The value pass on bf16 dot products: P rounded to bf16 (as the AMX kernel does) times
+// values paired across keys. For pair i (keys 2i, 2i + 1) and 32 dims, unpacklo/hi_epi16 of
+// the two rows give two vectors of (v_2i[d], v_2i+1[d]) words, lane 4L + k holding dim
+// 8L + k (lo) or 8L + 4 + k (hi): the accumulators keep that order, `store_bf16_order` undoes
+// it once at the end. Rows past n are zero (their p is 0, a stale row might hold NaN).
+template <int D>
+void add_values_bf16(const c10::BFloat16* v, int64_t stride, int64_t n, const float* p,
+                     const float* corr, int64_t rows, float* acc) {
+  constexpr int NV = D / 16;  // accumulator vectors a row: lo and hi per 32 dims
+  constexpr int CV = NV < kMaxCols ? NV : kMaxCols;
+  constexpr int MR = kAccRegs / CV;
+  const int64_t pairs = (n + 1) / 2;
+  alignas(64) __m512i vp[8 * NV];
+  for (int64_t i = 0; i < pairs; ++i) {
+    const auto* a = reinterpret_cast<const __m512i*>(v + 2 * i * stride);
+    const auto* b = reinterpret_cast<const __m512i*>(v + (2 * i + 1) * stride);
+    for (int cb = 0; cb < D / 32; ++cb) {
+      const __m512i x = _mm512_loadu_si512(a + cb);
+      const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(b + cb) : _mm512_setzero_si512();
+      vp[i * NV + 2 * cb] = _mm512_unpacklo_epi16(x, y);
+      vp[i * NV + 2 * cb + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+  }
+  alignas(64) uint32_t pw[kMaxRows * 8];
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw + r * 8),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * N)));
+  for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+    for (int c0 = 0; c0 < NV; c0 += CV) {
+      __m512 a[MR][CV];
+      for (int i = 0; i < MR; ++i) {
+        const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
+        for (int c = 0; c < CV; ++c)
+          a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + (c0 + c) * 16), cr);
+      }
+      for (int64_t t = 0; t < pairs; ++t) {
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[(r0 + i) * 8 + t]);
+          for (int c = 0; c < CV; ++c)
+            a[i][c] = _mm512_dpbf16_ps(a[i][c], w, (__m512bh)vp[t * NV + c0 + c]);
+        }
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc + (r0 + i) * D + (c0 + c) * 16, a[i][c]);
+    }
+  }
+}
+
+// out[0 .. D) = acc row in add_values_bf16's order, times inv, rounded to bf16.
+template <int D>
+void store_bf16_order(const float* acc, __m512 inv, c10::BFloat16* out) {
+  // Output dim d of 32 from lo lane 4 (d / 8) + d % 8 when d % 8 < 4, else hi lane (+ 16)
+  // 4 (d / 8) + d % 8 - 4.
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int cb = 0; cb < D / 32; ++cb) {
+    const __m512 lo = _mm512_loadu_ps(acc + cb * 32), hi = _mm512_loadu_ps(acc + cb * 32 + 16);
+    store16(out + cb * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), inv));
+    store16(out + cb * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), inv));
+  }
+}
 #endif
 
 // acc[r] = acc[r] * corr[r] + sum_t p[r][t] v_t over one chunk's n value rows, for `rows` rows
@@ -274,12 +338,24 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
       // Row sums stay N partial sums until the end: no horizontal add per chunk.
       (Vec::load(lsum + r * N) * Vec::set1(corr[r]) + Vec::load(sr)).store(lsum + r * N);
     }
-    add_values<D>(v_cache + offset, token_stride, n, s, corr, rows8, acc);
+    if constexpr (kDot<T>) {
+#if defined(__AVX512BF16__)
+      add_values_bf16<D>(v_cache + offset, token_stride, n, s, corr, rows8, acc);
+#endif
+    } else {
+      add_values<D>(v_cache + offset, token_stride, n, s, corr, rows8, acc);
+    }
     c0 += n;
   }
   for (int64_t r = 0; r < valid; ++r) {
     const Vec inv = Vec::set1(1.0f / Vec::load(lsum + r * N).sum());
     T* dst = tile.out + (r / tile.group) * tile.out_stride + (r % tile.group) * D;
+    if constexpr (kDot<T>) {
+#if defined(__AVX512BF16__)
+      store_bf16_order<D>(acc + r * D, inv.v, dst);
+#endif
+      continue;
+    }
     for (int64_t c = 0; c < D / N; ++c) (Vec::load(acc + r * D + c * N) * inv).store(dst + c * N);
   }
 }
