@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from runner import attention
+from runner.cpu_prefill import wants_vec_prefill
 from runner.triton_ops import triton_available
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -73,8 +74,8 @@ class TorchAttentionBackend:
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     """The reference, with one-query (decode) rows on the in-place paged C++ kernel, prompt
-    chunks on the AMX kernel where the CPU has AMX (bf16, head dims of 32k), and K/V written
-    by one C++ op."""
+    chunks on the AMX kernel where the CPU has AMX (bf16, head dims of 32k), else on the
+    vector kernel where it measured faster than SDPA, and K/V written by one C++ op."""
 
     name = "cpu"
 
@@ -82,6 +83,9 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         self.amx = bool(torch.ops.headrace.amx_usable())
         # --deterministic: prompt tokens as decode rows (runner/batch_invariance.py).
         self.per_token_prompts = False
+        # Prompt chunks without AMX: the vector kernel where it measured faster than SDPA
+        # for the shape (runner/cpu_prefill.py); True or False forces it.
+        self.vec_prefill: bool | None = None
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
         torch.ops.headrace.write_kv_(kv_cache, k, v, meta.slot_mapping)
@@ -92,6 +96,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         prefill, dim = None, q.shape[-1]
         if self.amx and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256:
             prefill = torch.ops.headrace.paged_prefill_attention_
+        elif wants_vec_prefill(self.vec_prefill, q, kv_cache, meta):
+            prefill = torch.ops.headrace.paged_prefill_attention_vec_
         decode = torch.ops.headrace.paged_decode_attention
         if self.per_token_prompts:
             from runner.batch_invariance import prompt_tokens_as_decode

@@ -7,6 +7,7 @@ torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
 torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bias, n)
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
 torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
+torch.ops.headrace.paged_prefill_attention_vec_(...)   (the same without AMX: vec_attention.cpp)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
 ```
 
@@ -41,6 +42,7 @@ SOURCES = (
     "amx_linear.cpp",
     "amx_attention.cpp",
     "elementwise.cpp",
+    "vec_attention.cpp",
 )
 HEADERS = ("vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
