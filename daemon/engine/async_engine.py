@@ -208,7 +208,8 @@ class AsyncEngine:
                     # Nothing runnable (all waiting or deferred): send out rejections now; the
                     # runner drops finished state on its own thread, after any step in flight.
                     self._dispatch(self.engine.process(so, RunnerOutput()))
-                    if so.finished_req_ids or so.preempted_req_ids:
+                    if so.finished_req_ids or so.preempted_req_ids or self.engine.needs_runner():
+                        # (an empty step also copies in fetched KV: nothing else runs)
                         self._executor.submit(self.engine.execute, so)
             if in_flight:
                 so, future = in_flight.popleft()
