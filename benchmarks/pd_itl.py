@@ -139,8 +139,10 @@ class Phase:
         worst = max(self.steps, key=lambda s: s["step_ms"])
         return (
             f"{len(step)} steps, p50 {step[len(step) // 2]:.1f} ms, max {step[-1]:.1f} ms "
-            f"(prefill {worst['prefill_tokens']}, decode {worst['decode_tokens']}, commit "
-            f"{worst.get('kv_commit_ms', 0.0):.1f}); max commit in a step {commit:.1f} ms; "
+            f"(prefill {worst['prefill_tokens']}, decode {worst['decode_tokens']}; forward "
+            f"{worst['forward_ms']:.1f}, prepare {worst['prepare_ms']:.1f}, process "
+            f"{worst['process_ms']:.1f}, commit {worst.get('kv_commit_ms', 0.0):.1f}); "
+            f"max commit in a step {commit:.1f} ms; "
             f"steps with prompt tokens: {len(prefill)}, max {max(prefill, default=0):.1f} ms"
         )
 
