@@ -2,8 +2,9 @@
 
 ```
 WAITING --(connector supplies n tokens; blocks for hit + n allocated)--> WAITING_FOR_KV
-WAITING_FOR_KV --(runner side: k leading blocks landed, 0 <= k <= n/bs)--> WAITING (holds blocks,
-                  num_computed_tokens = hit + k * block_size; the rest is computed as usual)
+WAITING_FOR_KV --(runner side: k leading blocks landed and copied in)--> WAITING (holds blocks,
+                  num_computed_tokens = min(hit + k * block_size, num_tokens - 1); the rest is
+                  computed as usual)
 ```
 A loading request holds its blocks but is never scheduled, and uses no step budget, so
 others go on. Its blocks are not prefix-cached until it is scheduled: only then are they
@@ -12,8 +13,10 @@ filled (the runner commits the staged KV before that step's forward).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvcache import KVCacheManager
-from kvcache.connectors import KVConnectorMeta, KVConnectorScheduler
+from kvcache.connectors import KVConnectorMeta, KVConnectorScheduler, LoadSpec
 from scheduling.request import Request, RequestStatus
 
 
@@ -46,7 +49,8 @@ class KVLoads:
         if self.kv.allocate_slots(req, 0, hits, n, reserve_blocks=reserve) is None:
             return False
         bs = self.kv.block_size
-        self.connector.update_state_after_alloc(req, num_hit_tokens // bs, n // bs)
+        # n may end one token short of a block: the prompt's last token, always computed.
+        self.connector.update_state_after_alloc(req, num_hit_tokens // bs, -(-n // bs))
         req.status = RequestStatus.WAITING_FOR_KV
         req.num_computed_tokens = num_hit_tokens
         self.loading[req.request_id] = req
@@ -62,12 +66,19 @@ class KVLoads:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
-            req.num_computed_tokens += num_blocks * self.kv.block_size
-            self.num_loaded_tokens += num_blocks * self.kv.block_size
+            before = req.num_computed_tokens
+            req.num_computed_tokens = min(
+                before + num_blocks * self.kv.block_size, req.num_tokens - 1
+            )
+            self.num_loaded_tokens += req.num_computed_tokens - before
             req.status = RequestStatus.WAITING
             self.landed.add(rid)
             accepted.append(rid)
         return accepted
+
+    def _block_ids(self, spec: LoadSpec) -> list[int]:
+        ids = self.kv.get_block_ids(spec.req_id)
+        return ids[spec.first_block : spec.first_block + len(spec.keys)]
 
     def admitted(self, req: Request) -> None:
         self.landed.discard(req.request_id)
@@ -86,7 +97,12 @@ class KVLoads:
         """Loads to start and the saves of this step (progress counters already advanced)."""
         if self.connector is None:
             return None
-        meta = KVConnectorMeta(loads=self.connector.take_loads())
+        # The runner side copies loads in before the request is scheduled: it needs the blocks.
+        loads = [
+            replace(spec, block_ids=tuple(self._block_ids(spec)))
+            for spec in self.connector.take_loads()
+        ]
+        meta = KVConnectorMeta(loads=loads)
         if self.connector.wants_saves:
             for req, n in scheduled:
                 before = req.num_computed_tokens - n

@@ -13,6 +13,7 @@ from model_fixtures import make_tiny_hf_model
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
+from daemon.openai.metrics import Metrics
 from daemon.service.serve_config import parse_serve_args
 from plugins import KV_CONNECTOR_GROUP, PluginError, UnknownPluginError, load_kv_connector
 from scheduling import SamplingParams
@@ -134,6 +135,9 @@ def test_pd_dead_producer_makes_the_consumer_recompute(tiny, colocated, tmp_path
     done = run(consumer)
     assert done.token_ids == colocated and done.cached_tokens == 0
     assert consumer.kv_connector.worker.store.num_failed == 1
+    text = Metrics().render(consumer.stats()).decode()
+    assert 'headrace_kv_connector_load_failures_total{kind="peer_down"} 1.0' in text
+    assert "headrace_kv_connector_loaded_blocks_total 0.0" in text
     consumer.close()
 
 
@@ -243,3 +247,46 @@ def test_serve_flags_reach_the_engine_config():
         "10.0.0.2:7000",
     )
     assert engine.kv_store_gb == 0.5
+
+
+def test_a_load_is_copied_in_a_block_a_step_while_another_request_decodes(tiny, colocated, cache):
+    first = engine_for(tiny, kv_connector="disk")
+    run(first)
+    first.close()
+    # 1 byte a step: the budget rounds up to one block per step while others run
+    engine = engine_for(tiny, kv_connector="disk", kv_commit_mb_per_step=1e-6)
+    worker = engine.kv_connector.worker
+    assert worker.commit_blocks_per_step == 1
+    other = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    rid = engine.add_request(PROMPT, GREEDY)
+    engine.step()  # admitted: it waits for its KV, holding blocks; the load starts
+    worker.wait_any(30)  # fetched; now only the runner steps copy it in
+    loaded, out = [], {rid: [], other: []}
+    while engine.has_unfinished_requests():
+        so = engine.schedule()
+        if any(new.req_id == rid for new in so.scheduled_new_reqs):
+            assert worker.num_loaded_blocks == 4  # all of it in before its first step
+        before = worker.num_loaded_blocks
+        for delta in engine.process(so, engine.execute(so)):
+            out[delta.request_id] += delta.new_token_ids
+        loaded.append(worker.num_loaded_blocks - before)
+    assert loaded[:4] == [1, 1, 1, 1] and not any(loaded[4:])  # one block a step
+    assert out[rid] == colocated
+    assert engine.check_idle() and worker.num_staged() == 0
+    engine.close()
+
+
+def test_a_prompt_on_a_block_boundary_computes_only_its_last_token(tiny, cache):
+    prompt = PROMPT[:64]  # four full blocks
+    (alone,) = engine_for(tiny).generate([prompt], GREEDY)
+    first = engine_for(tiny, kv_connector="disk")
+    first.generate([prompt], GREEDY)
+    first.close()
+    engine = engine_for(tiny, kv_connector="disk")
+    (done,) = engine.generate([prompt], GREEDY)
+    assert done.token_ids == alone.token_ids
+    assert done.cached_tokens == 63  # the last block loaded too; one token computed
+    assert engine.kv_connector.worker.num_loaded_blocks == 4
+    assert engine.check_idle()
+    engine.close()

@@ -140,3 +140,25 @@ def test_a_consumer_saves_nothing_and_a_full_pool_makes_the_load_wait():
         step(sched)
     assert req.num_cached_tokens == 16  # once busy left, the load ran
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_a_prompt_ending_on_a_block_boundary_loads_its_last_block_and_computes_one_token():
+    sched, store = make()
+    req = make_request(list(PROMPT[:16]), max_tokens=1)  # exactly four full blocks
+    fill(store, req, 4)
+    sched.add_request(req)
+    out = sched.schedule()
+    (spec,) = out.kv_connector_meta.loads
+    # all four blocks, the last one's final token excepted: the step needs its logits
+    assert (spec.first_block, len(spec.keys)) == (0, 4)
+    assert list(spec.block_ids) == sched.kv.get_block_ids(req.request_id)
+    sched.update(out, sample_all(sched, out))
+    sched.kv_loads_landed({req.request_id: 4})
+    out = sched.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 15
+    assert out.num_scheduled_tokens[req.request_id] == 1
+    assert sched.kv_loads.num_loaded_tokens == 15
+    sched.update(out, sample_all(sched, out))
+    list(run_to_completion(sched))
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    sched.check_integrity()

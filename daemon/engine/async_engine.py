@@ -235,7 +235,11 @@ class AsyncEngine:
                     # Nothing runnable (all waiting or deferred): send out rejections now; the
                     # runner drops finished state on its own thread, after any step in flight.
                     self._dispatch(self.engine.process(so, RunnerOutput()))
-                    if so.finished_req_ids or so.preempted_req_ids:
+                    if self.engine.needs_runner():
+                        # An empty step copies in fetched KV (nothing else runs); awaited,
+                        # so such steps do not pile up on the runner thread's queue.
+                        await loop.run_in_executor(self._executor, self.engine.execute, so)
+                    elif so.finished_req_ids or so.preempted_req_ids:
                         self._executor.submit(self.engine.execute, so)
             if in_flight:
                 so, future = in_flight.popleft()

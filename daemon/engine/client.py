@@ -72,6 +72,25 @@ class RouterTotals:
 
 
 @dataclass(slots=True)
+class KVConnectorStats:
+    """A KV connector's figures (--kv-connector): running totals since start, a gauge, and
+    load latencies handed out once."""
+
+    loaded_tokens: int = 0
+    saved_tokens: int = 0
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
+    # Loads that got less than asked, by kind: corrupt, missing, peer_down (or error).
+    failures: dict[str, int] = field(default_factory=dict)
+    # Bytes the connector's store holds now (the disk tier's files, a producer's RAM).
+    store_bytes: int = 0
+    # Seconds from a load's start to its blocks in the paged cache, since the last read.
+    load_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Load and health figures at one moment (read at scrape and routing time)."""
 
@@ -94,6 +113,8 @@ class EngineStats:
     # Data-parallel serving only: each replica, and the router's totals (empty/None else).
     replicas: list[ReplicaStatus] = field(default_factory=list)
     router: RouterTotals | None = None
+    # With a KV connector only.
+    kv_connector: KVConnectorStats | None = None
     # Why the engine loop died (None while it serves): /health answers 503 with it.
     failure: str | None = None
 

@@ -111,6 +111,12 @@ class EngineConfig:
     kv_disk_dir: str | None = opt(
         None, "disk connector: folder of the persistent KV tier (default: <cache dir>/kv)"
     )
+    kv_commit_mb_per_step: float = opt(
+        16.0,
+        "KV connector: most MiB of loaded KV one step copies into the paged cache while other "
+        "requests run, so a long prompt's load spreads over steps instead of stretching one "
+        "of their decode steps (all of it when nothing else runs)",
+    )
     deterministic: bool = opt(
         False,
         "batch-invariant greedy: a request's output does not depend on its batch-mates (one "

@@ -247,6 +247,10 @@ class Engine:
         kv_connectors.wait_for_loads(self.kv_connector, so)
         return self.process(so, self.execute(so))
 
+    def needs_runner(self) -> bool:
+        """Whether an empty step has work on the runner: fetched KV to copy in."""
+        return kv_connectors.needs_runner(self.kv_connector)
+
     def close(self) -> None:
         """Finish the KV connector's writes and stop its threads (a producer's server too)."""
         if self.kv_connector is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from daemon.engine import kv_connector as kv_connectors
 from daemon.engine.client import EngineStats
 
 if TYPE_CHECKING:
@@ -29,4 +30,5 @@ def engine_stats(engine: Engine) -> EngineStats:
         grammar_compile_seconds=list(compiles.drain_compile_seconds()) if compiles else [],
         spec=sched.spec_stats,
         tenant_queue_seconds=queue_times,
+        kv_connector=kv_connectors.connector_stats(engine.kv_connector, sched, kv.block_size),
     )

@@ -28,6 +28,9 @@ class StepProfiler:
         self._file: IO[bytes] = self.path.open("ab")
         self._schedule_s: dict[int, float] = {}
         self.steps = 0
+        # A KV connector's runner side: seconds spent copying loads in, as of the last line.
+        self._worker: object | None = None
+        self._commit_s = 0.0
 
     def attach(self, engine: Engine) -> None:
         """Wrap the engine's own calls (instance attributes only: nothing global changes)."""
@@ -47,6 +50,7 @@ class StepProfiler:
                 self.record(so, ro, self._schedule_s.pop(id(so), 0.0), time.perf_counter() - start)
             return out
 
+        self._worker = engine.kv_connector.worker if engine.kv_connector else None
         engine.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
         engine.process = timed_process  # type: ignore[method-assign]
 
@@ -70,6 +74,8 @@ class StepProfiler:
             "sample_ms": sample_s * 1e3,
             "prepare_ms": max(0.0, execute_s - forward_s - sample_s) * 1e3,
             "process_ms": process_s * 1e3,
+            # Loaded KV copied into the paged cache since the last line (a KV connector's).
+            "kv_commit_ms": self._commit_ms(),
             "step_ms": total * 1e3,
             "overhead_share": (total - forward_s - sample_s) / total if total > 0 else 0.0,
         }
@@ -77,6 +83,11 @@ class StepProfiler:
         self.steps += 1
         if self.steps % 64 == 0:
             self._file.flush()
+
+    def _commit_ms(self) -> float:
+        total = getattr(self._worker, "commit_seconds", 0.0)
+        delta, self._commit_s = total - self._commit_s, total
+        return delta * 1e3
 
     def close(self) -> None:
         self._file.close()

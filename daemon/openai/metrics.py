@@ -12,6 +12,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from daemon.engine.client import EngineStats
+from daemon.openai.kv_connector_metrics import KVConnectorMetrics
 from daemon.openai.metric_totals import advance
 from daemon.openai.replica_metrics import ReplicaMetrics
 from daemon.openai.spec_metrics import SpecDecodeMetrics
@@ -78,6 +79,8 @@ class Metrics:
         self.tenants = TenantMetrics(r)
         # Registered on the first scrape that has replicas: one in-process engine shows none.
         self.replicas: ReplicaMetrics | None = None
+        # Registered on the first read of an engine with a KV connector.
+        self.kv_connector: KVConnectorMetrics | None = None
 
         self.grammar_compile = Histogram(
             "headrace_grammar_compile_seconds",
@@ -115,6 +118,8 @@ class Metrics:
         advance(self.grammar_misses, stats.grammar_cache_misses)
         self.spec_decode.update(stats.spec)
         self.absorb(stats)
+        if self.kv_connector is not None and stats.kv_connector is not None:
+            self.kv_connector.update(stats.kv_connector)
         if stats.replicas:
             if self.replicas is None:
                 self.replicas = ReplicaMetrics(self.registry)
@@ -127,3 +132,7 @@ class Metrics:
             self.grammar_compile.observe(seconds)
         for tenant, seconds in stats.tenant_queue_seconds:
             self.tenants.queued(tenant, seconds)
+        if stats.kv_connector is not None:
+            if self.kv_connector is None:
+                self.kv_connector = KVConnectorMetrics(self.registry)
+            self.kv_connector.absorb(stats.kv_connector)

@@ -72,6 +72,9 @@ class LoadSpec:
     req_id: str
     first_block: int
     keys: list[str]
+    # The paged-cache blocks they go to (filled in by the scheduler, which allocated them):
+    # the runner side copies a load in over several steps, before the request is scheduled.
+    block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +111,15 @@ class KVConnectorScheduler(ABC):
     def get_num_new_matched_tokens(self, req: KVRequest, num_computed_tokens: int) -> int:
         """Prompt tokens after the first `num_computed_tokens` (the local hit) it can supply.
 
-        A multiple of the block size, counting full blocks of `req.block_hashes` only, and
-        leaving at least the last prompt token to compute. Side-effect free; 0 for none.
+        Whole blocks of `req.block_hashes`, except that the last prompt token is always left
+        to compute (the step needs its logits): a prompt that ends on a block boundary may be
+        supplied up to its last token, the block holding that token loaded too, so only one
+        token is computed instead of a block. Side-effect free; 0 for none.
         """
 
     def update_state_after_alloc(self, req: KVRequest, first_block: int, num_blocks: int) -> None:
-        """Blocks `first_block ..` of `req`'s table were allocated for those tokens: load them."""
+        """Blocks `first_block ..` of `req`'s table were allocated for those tokens (the last
+        one maybe partly supplied, see above): load them."""
         hashes = req.block_hashes[first_block : first_block + num_blocks]
         keys = [self.layout.block_key(h) for h in hashes]
         self._loads.append(LoadSpec(req.request_id, first_block, keys))

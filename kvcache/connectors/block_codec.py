@@ -34,7 +34,9 @@ def encode(layout_key: str, block_key: str, payload: bytes | memoryview) -> byte
     )
 
 
-def decode(data: bytes, layout_key: str, block_key: str, payload_len: int) -> memoryview | None:
+def decode(
+    data: bytes | bytearray, layout_key: str, block_key: str, payload_len: int
+) -> memoryview | None:
     """The payload of `data` if it is block `block_key` of `layout_key`, intact; else None."""
     view = memoryview(data)
     layout, key = layout_key.encode(), block_key.encode()

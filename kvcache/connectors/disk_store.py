@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class DiskStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.num_corrupt = 0
+        # Blocks a load wanted and did not get, by kind: corrupt (bad, truncated or foreign
+        # file), missing (gone between the look-up and the load: evicted, another process).
+        self.failures: Counter[str] = Counter()
         # Our running estimate of the folder's size; other writers make it drift, so it only
         # decides when to rescan, and the rescan decides what to delete.
         self._bytes = sum(size for _, size, _ in self._scan())
@@ -63,12 +67,17 @@ class DiskStore:
     def _get(self, key: str) -> memoryview | None:
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            # Into a bytearray: the runner side reads the payload in place (no copy).
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except OSError:
+            self.failures["missing"] += 1
             return None
         payload = block_codec.decode(data, self.layout.key, key, self.payload_len)
         if payload is None:
             self.num_corrupt += 1
+            self.failures["corrupt"] += 1
             log.warning("kv disk tier: %s is corrupt, truncated or foreign; removed", path)
             self._unlink(path)
             return None

@@ -8,8 +8,9 @@ from kvcache.manager import KVRequest
 
 
 def _max_blocks(req: KVRequest, block_size: int) -> int:
-    # The last prompt token is always computed, so the step has logits to sample.
-    return min(len(req.block_hashes), (req.num_tokens - 1) // block_size)
+    # Every full block, the one with the last prompt token too: the caller leaves that
+    # token to compute, so a prompt ending on a block boundary computes 1 token, not 16.
+    return min(len(req.block_hashes), req.num_tokens // block_size)
 
 
 class StoreLookup(KVConnectorScheduler):
@@ -32,4 +33,5 @@ class StoreLookup(KVConnectorScheduler):
             if not self.store.contains(self.layout.block_key(h)):
                 break
             n += 1
-        return n * bs
+        # The last prompt token is always computed, so the step has logits to sample.
+        return max(0, min((first + n) * bs, req.num_tokens - 1) - num_computed_tokens)

@@ -20,6 +20,7 @@ import socketserver
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from kvcache.connectors import block_codec
@@ -49,7 +50,9 @@ def _tcp(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _read_exact(sock: socket.socket, n: int) -> bytearray:
+    # NOTE: the buffer itself is returned, not a bytes copy: a block is ~1 MB, and a copy
+    # holds the GIL that the engine's loop and runner threads want.
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -57,7 +60,7 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ConnectionError(f"peer closed after {got} of {n} bytes")
         got += k
-    return bytes(buf)
+    return buf
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -135,6 +138,9 @@ class PeerStore:
         self.address, self.layout, self.payload_len = address, layout, payload_len
         self.timeout_s = timeout_s
         self.num_failed = 0
+        # Failed fetches by kind: peer_down (no connection, or cut), corrupt (a bad block),
+        # missing (the producer no longer holds a block asked for).
+        self.failures: Counter[str] = Counter()
         self._down_until = 0.0
 
     def contains(self, key: str) -> bool:
@@ -148,7 +154,11 @@ class PeerStore:
     def get_many(self, keys: Sequence[str]) -> list[memoryview]:
         out: list[memoryview] = []
         try:
-            with self._connect() as sock:
+            sock = self._connect()
+        except OSError as e:
+            return self._failed("peer_down", e, out, keys)
+        try:
+            with sock:
                 ask = json.dumps({"layout": self.layout.key, "keys": list(keys)}).encode()
                 sock.sendall(REQUEST_MAGIC + _U32.pack(len(ask)) + ask)
                 for key in keys:
@@ -164,14 +174,25 @@ class PeerStore:
                     if payload is None:
                         raise ValueError(f"block {key[:12]} failed its check")
                     out.append(payload)
-        except (OSError, ValueError) as e:
-            self.num_failed += 1
-            if not out:
-                self._down_until = time.monotonic() + BACKOFF_S
-            log.warning(
-                "kv peer %s: %s after %d of %d blocks; recomputing the rest",
-                self.address, e, len(out), len(keys),
-            )  # fmt: skip
+        except OSError as e:
+            return self._failed("peer_down", e, out, keys)
+        except ValueError as e:
+            return self._failed("corrupt", e, out, keys)
+        if len(out) < len(keys):
+            self.failures["missing"] += 1
+        return out
+
+    def _failed(
+        self, kind: str, e: Exception, out: list[memoryview], keys: Sequence[str]
+    ) -> list[memoryview]:
+        self.num_failed += 1
+        self.failures[kind] += 1
+        if not out:
+            self._down_until = time.monotonic() + BACKOFF_S
+        log.warning(
+            "kv peer %s: %s after %d of %d blocks; recomputing the rest",
+            self.address, e, len(out), len(keys),
+        )  # fmt: skip
         return out
 
     def _connect(self) -> socket.socket:

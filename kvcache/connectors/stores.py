@@ -8,7 +8,7 @@ one is useless (its KV assumes the missing prefix).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +43,8 @@ class MemoryStore:
         self._blocks: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        # Blocks a load wanted and did not get: corrupt, or missing (evicted meanwhile).
+        self.failures: Counter[str] = Counter()
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -65,8 +67,11 @@ class MemoryStore:
         for key, data in zip(keys, self.get_encoded(keys)):
             payload = block_codec.decode(data, self.layout.key, key, self.payload_len)
             if payload is None:
-                break
+                self.failures["corrupt"] += 1
+                return out
             out.append(payload)
+        if len(out) < len(keys):
+            self.failures["missing"] += 1
         return out
 
     def put(self, key: str, payload: bytes | memoryview) -> None:
@@ -83,3 +88,7 @@ class MemoryStore:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes

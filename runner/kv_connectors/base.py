@@ -34,6 +34,8 @@ class KVConnectorContext:
     store_bytes: int
     # Folder for persistent tiers (under the cache directory).
     root: Path
+    # Bytes of loaded KV one step copies into the paged cache while other requests run.
+    commit_bytes_per_step: int = 16 << 20
 
     @property
     def payload_len(self) -> int:
@@ -53,8 +55,9 @@ class BlockTables(Protocol):
 class KVConnectorWorker(Protocol):
     """Runner side: moves blocks between the paged cache and wherever the connector keeps them.
 
-    `start_loads`, `poll_loads` and `discard` may be called from any thread (the engine
-    loop calls them); `commit` and `save` run on the runner thread, inside `execute`.
+    `start_loads`, `poll_loads`, `needs_commit` and `discard` may be called from any thread
+    (the engine loop calls them); `commit` and `save` run on the runner thread, inside
+    `execute`.
     """
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
@@ -62,7 +65,12 @@ class KVConnectorWorker(Protocol):
         ...
 
     def poll_loads(self) -> dict[str, int]:
-        """Loads finished since the last call: req id -> leading blocks ready (maybe 0)."""
+        """Loads finished since the last call: req id -> leading blocks now in the paged
+        cache (maybe 0)."""
+        ...
+
+    def needs_commit(self) -> bool:
+        """Whether fetched blocks wait for `commit` (the engine then runs an empty step)."""
         ...
 
     def has_inflight(self) -> bool:
@@ -79,8 +87,10 @@ class KVConnectorWorker(Protocol):
 
     def commit(self, so: SchedulerOutput, block_ids: Mapping[str, list[int]],
                kv_caches: list[torch.Tensor]) -> None:  # fmt: skip
-        """Write staged blocks of this step's new requests into the paged cache (before the
-        forward that reads them)."""
+        """Copy fetched blocks into the paged cache, at the start of every runner step (also
+        an empty one), before its forward. The blocks are those of `LoadSpec.block_ids`,
+        owned by requests still waiting: a load is reported by `poll_loads` only once all
+        of it is in. A budget per step keeps one long load from stretching a step."""
         ...
 
     def save(self, meta: KVConnectorMeta, block_ids: Mapping[str, list[int]],
