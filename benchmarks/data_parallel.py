@@ -11,7 +11,9 @@ default so that all prefixes exceed one replica's KV cache but fit in two.
 
 Runs, each a fresh `headrace serve` on the embedded model:
   dp2 cache_aware | dp2 round_robin | dp2 least_load | dp1   (the workload)
-  dp1 vs dp2 at concurrency 1, one long stream              (the transport's ITL cost)
+  one stream at concurrency 1 on a replica process (DP=2, round robin; the other replica
+  idle) vs the same engine in-process (DP=1), both with `--threads` threads per engine:
+  the replica transport's ITL cost (target: ratio <= 1.05). `--itl-only` runs just these two.
 Figures: cached-token share of prompt tokens, TTFT p50/p99, output tok/s, ITL p50.
 """
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import orjson
+from stream_timer import timed_stream
 
 from scheduling.simulator import percentile
 
@@ -55,34 +57,13 @@ class Figures:
 
 
 async def stream(client: httpx.AsyncClient, prompt: list[int], tokens: int, f: Figures) -> None:
-    body = {
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    last = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = orjson.loads(line[6:])
-            now = time.perf_counter()
-            if usage := chunk.get("usage"):
-                f.prompt_tokens += usage["prompt_tokens"]
-                f.output_tokens += usage["completion_tokens"]
-                details = usage.get("prompt_tokens_details") or {}
-                f.cached_tokens += details.get("cached_tokens") or 0
-                continue
-            if last is None:
-                f.ttfts.append(now - start)
-            else:
-                f.gaps.append(now - last)
-            last = now
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    t = await timed_stream(client, body)
+    f.ttfts.append(t.ttft)
+    f.gaps += t.gaps
+    f.prompt_tokens += t.prompt_tokens
+    f.cached_tokens += t.cached_tokens
+    f.output_tokens += t.completion_tokens
 
 
 async def chat_workload(url: str, args: argparse.Namespace) -> Figures:
@@ -113,7 +94,8 @@ async def chat_workload(url: str, args: argparse.Namespace) -> Figures:
 async def one_stream(url: str, tokens: int) -> Figures:
     f = Figures()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await stream(client, [1, 2, 3, 4], 8, Figures())  # first-call costs out of the way
+        for _ in range(2):  # first-call costs out of the way (on both replicas of a DP=2)
+            await stream(client, [1, 2, 3, 4], 8, Figures())
         start = time.perf_counter()
         await stream(client, list(range(100, 164)), tokens, f)
         f.seconds = time.perf_counter() - start
@@ -162,6 +144,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--itl-tokens", type=int, default=128)
+    p.add_argument("--itl-only", action="store_true", help="only the transport's ITL runs")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes per replica")
     p.add_argument("--threads", type=int, default=None, help="per replica (default cores // 2)")
     p.add_argument("--port", type=int, default=8391)
@@ -176,6 +159,31 @@ def main() -> int:
     kv = args.kv_cache_memory or int(per_token * total * 0.6)  # > one replica, < two
     common = ["--dtype", "float32", "--kv-cache-memory", str(kv), "--max-model-len", "4096"]
     dp2 = ["--data-parallel-size", "2", "--threads", str(threads), *common]
+    itl_local = run(
+        args.port,
+        ["--threads", str(threads), *common],
+        args.log_dir / "itl_dp1.log",
+        lambda url: one_stream(url, args.itl_tokens),
+    )
+    itl_replica = run(
+        args.port,
+        [*dp2, "--router", "round_robin"],
+        args.log_dir / "itl_dp2.log",
+        lambda url: one_stream(url, args.itl_tokens),
+    )
+    itl = {
+        "itl_p50_replica_over_inprocess": itl_replica["itl_p50_ms"]
+        / max(1e-9, itl_local["itl_p50_ms"]),
+        "itl_p50_inprocess_ms": itl_local["itl_p50_ms"],
+        "itl_p50_replica_ms": itl_replica["itl_p50_ms"],
+    }
+    print(
+        f"ITL p50 at c=1, {threads} threads per engine: in-process "
+        f"{itl_local['itl_p50_ms']:.2f} ms, replica process {itl_replica['itl_p50_ms']:.2f} ms"
+    )
+    if args.itl_only:
+        print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in itl.items()))
+        return 0
     rows: dict[str, dict[str, float]] = {}
     for router in ("cache_aware", "round_robin", "least_load"):
         rows[f"dp2_{router}"] = run(
@@ -190,18 +198,6 @@ def main() -> int:
         args.log_dir / "dp1.log",
         lambda url: chat_workload(url, args),
     )
-    itl_local = run(
-        args.port,
-        ["--threads", str(threads), *common],
-        args.log_dir / "itl_dp1.log",
-        lambda url: one_stream(url, args.itl_tokens),
-    )
-    itl_replica = run(
-        args.port,
-        [*dp2, "--router", "round_robin"],
-        args.log_dir / "itl_dp2.log",
-        lambda url: one_stream(url, args.itl_tokens),
-    )
     print(f"kv cache per replica: {kv} bytes; {threads} threads per replica, {cores} cores")
     print(f"{'run':<18} {'cached':>7} {'ttft p50':>9} {'ttft p99':>9} {'tok/s':>8}")
     for name, r in rows.items():
@@ -209,20 +205,17 @@ def main() -> int:
             f"{name:<18} {r['cached_share']:>7.1%} {r['ttft_p50_ms']:>7.0f}ms "
             f"{r['ttft_p99_ms']:>7.0f}ms {r['tok_s']:>8.1f}"
         )
-    print(
-        f"ITL p50 at c=1: in-process {itl_local['itl_p50_ms']:.2f} ms, replica process "
-        f"{itl_replica['itl_p50_ms']:.2f} ms"
-    )
     ca, rr, ll = rows["dp2_cache_aware"], rows["dp2_round_robin"], rows["dp2_least_load"]
     ratios = {
         "cached_share_ca_over_rr": ca["cached_share"] / max(1e-9, rr["cached_share"]),
         "ttft_p50_ca_over_rr": ca["ttft_p50_ms"] / max(1e-9, rr["ttft_p50_ms"]),
         "ttft_p50_ca_over_ll": ca["ttft_p50_ms"] / max(1e-9, ll["ttft_p50_ms"]),
         "tok_s_dp2_over_dp1": ca["tok_s"] / max(1e-9, rows["dp1"]["tok_s"]),
-        "itl_p50_replica_over_inprocess": itl_replica["itl_p50_ms"]
-        / max(1e-9, itl_local["itl_p50_ms"]),
+        "itl_p50_replica_over_inprocess": itl["itl_p50_replica_over_inprocess"],
         "cached_share_ca": ca["cached_share"],
         "cached_share_rr": rr["cached_share"],
+        "itl_p50_inprocess_ms": itl["itl_p50_inprocess_ms"],
+        "itl_p50_replica_ms": itl["itl_p50_replica_ms"],
     }
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
     return 0

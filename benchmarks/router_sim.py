@@ -26,7 +26,7 @@ from plugins import load_policy, load_router
 from scheduling import Request, RunnerOutput, SamplingParams, Scheduler, SchedulerConfig
 from scheduling.cost_model import StepCostModel
 from scheduling.output import SchedulerOutput
-from scheduling.routing import ReplicaLoad, Router, RouteRequest
+from scheduling.routing import ReplicaLoad, Router, RouterContext, RouteRequest
 from scheduling.simulator import SimClock, percentile
 
 BLOCK = 16
@@ -207,11 +207,11 @@ def scenario(
     )
     results = {}
     for name in ROUTERS:
-        options = {"overload_margin": margin, "block_size": BLOCK} if name == "cache_aware" else {}
+        context = RouterContext(replicas, BLOCK, overload_margin=margin)
         pooled: list[Request] = []
         makespan = 0.0
         for seed in range(w.seed, w.seed + seeds):
-            router = load_router(name, **options)
+            router = load_router(name, context)
             done, span = run(router, replace(w, seed=seed), replicas, num_blocks)
             pooled += done
             makespan += span

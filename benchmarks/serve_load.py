@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import orjson
+from stream_timer import timed_stream
 
 from scheduling.simulator import percentile
 
@@ -42,30 +42,9 @@ async def one(client: httpx.AsyncClient, i: int, max_tokens: int) -> Sample:
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    first = last = None
-    gaps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = orjson.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                if first is None:
-                    first = now
-                elif last is not None:
-                    gaps.append(now - last)
-                last = now
-    end = time.perf_counter()
-    return Sample((first or end) - start, end - start, tokens, gaps)
+    t = await timed_stream(client, body)
+    return Sample(t.ttft, t.e2e, t.completion_tokens, t.gaps)
 
 
 async def level(base: str, uds: str | None, concurrency: int, requests: int, max_tokens: int):

@@ -9,7 +9,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from scheduling.policy import POLICY_API_VERSION, Policy
-from scheduling.routing.router import ROUTER_API_VERSION, Router
+from scheduling.routing.router import ROUTER_API_VERSION, Router, RouterContext
 
 POLICY_GROUP = "headrace.policies"
 MODEL_GROUP = "headrace.models"
@@ -80,10 +80,11 @@ def router_names() -> list[str]:
     return sorted(installed(ROUTER_GROUP))
 
 
-def load_router(name: str, **options: Any) -> Router:
-    """Instantiate the data-parallel router registered as `name` with `options`."""
+def load_router(name: str, context: RouterContext | None = None) -> Router:
+    """Instantiate the data-parallel router registered as `name`: `cls(context)`, the one
+    way every router is built (the default context: one replica, the default KV layout)."""
     cls = load_plugin(ROUTER_GROUP, name, ROUTER_API_VERSION, "router")
-    router = cls(**options)
+    router = cls(context or RouterContext())
     if not isinstance(router, Router):
         raise PluginError(f"router {name!r} does not implement pick/on_kv_events/on_replica_reset")
     return router

@@ -1,8 +1,9 @@
 """Data-parallel serving end to end: `headrace serve --data-parallel-size 2` on a tiny model.
 
-One daemon for the module (front door + two replica processes): greedy text equals the
-in-process engine's, /health and /metrics name the replicas, kill -9 of a replica fails
-only its own streams and it rejoins, SIGTERM drains and takes every replica with it.
+One daemon for the module (front door + two replica processes, a LoRA adapter on each):
+greedy text equals the in-process engine's (base and adapters), adapters load and unload at
+run time on every replica, /health and /metrics name the replicas, kill -9 of a replica
+fails only its own streams and it rejoins, SIGTERM drains and takes every replica with it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 from daemon_fixtures import Daemon
+from lora_fixtures import make_peft_adapter
 from reliability_fixtures import build_tiny_model_dir
 
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
+from runner.model_source import resolve_model
+from runner.tokenizer import load_tokenizer
 from scheduling import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5", "Hello there, friend"]
@@ -31,9 +35,40 @@ KV = str(8 << 20)
 LONG = 480
 
 
+LORA = ("--max-loras", "2", "--max-lora-rank", "8", "--enable-lora-runtime-updates")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model_dir(tmp_path_factory.mktemp("dp-model"))
+    """The tiny model, with peft adapters `one` and `two` for it beside it."""
+    d = tmp_path_factory.mktemp("dp-model")
+    build_tiny_model_dir(d / "base")
+    tokenizer = load_tokenizer(resolve_model(None))
+    overrides = dict(
+        vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id
+    )
+    for name, seed in (("one", 1), ("two", 2)):
+        make_peft_adapter("llama-plain", d / name, seed, r=4, model_overrides=overrides)
+    return d / "base"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Engine:
+    """The same model and adapters in one in-process engine (DP=1)."""
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            quantization="none",
+            threads=1,
+            kv_cache_memory=int(KV),
+            max_model_len=512,
+            block_size=4,
+            lora_modules=(f"one={model_dir.parent / 'one'}", f"two={model_dir.parent / 'two'}"),
+            max_loras=2,
+            max_lora_rank=8,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +85,9 @@ def dp(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
         "512",
         "--block-size",
         "4",
+        "--lora-modules",
+        f"one={model_dir.parent / 'one'}",
+        *LORA,
     )
     yield d
     d.stop()
@@ -79,29 +117,19 @@ def _gauge(text: str, name: str, replica: int) -> float:
     return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
 
 
-def _complete(client: httpx.Client, prompt: str) -> str:
-    r = client.post(
-        "/v1/completions",
-        json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
-    )
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _complete(client: httpx.Client, prompt: str, model: str | None = None) -> str:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json={**body, "model": model} if model else body)
     assert r.status_code == 200, r.text
+    assert r.json()["model"] == model or model is None
     return r.json()["choices"][0]["text"]
 
 
-def test_dp2_greedy_text_equals_one_engine(dp: Daemon, model_dir: Path) -> None:
-    engine = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            quantization="none",
-            threads=1,
-            kv_cache_memory=int(KV),
-            max_model_len=512,
-            block_size=4,
-        )
-    )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    expected = [c.text for c in engine.generate(PROMPTS, params)]
+def test_dp2_greedy_text_equals_one_engine(dp: Daemon, reference: Engine) -> None:
+    expected = [c.text for c in reference.generate(PROMPTS, GREEDY)]
     with dp.http() as client:
         # The second round's prompts hit the prefix cache of the replica that holds them.
         got = [_complete(client, p) for p in PROMPTS * 2]
@@ -142,6 +170,79 @@ def _metric(text: str, key: str) -> float:
         if line.startswith(key + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_adapters_are_served_on_every_replica_and_load_at_run_time(
+    dp: Daemon, reference: Engine, model_dir: Path
+) -> None:
+    one = [c.text for c in reference.generate(PROMPTS, GREEDY, loras=["one"] * len(PROMPTS))]
+    two = [c.text for c in reference.generate(PROMPTS, GREEDY, loras=["two"] * len(PROMPTS))]
+    base = [c.text for c in reference.generate(PROMPTS, GREEDY)]
+    assert one != base and two != one  # the adapters change the text
+    two_dir = str(model_dir.parent / "two")
+    with dp.http() as client:
+        models = client.get("/v1/models").json()["data"]
+        base_id = models[0]["id"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(base_id, None), ("one", base_id)]
+        # cache_aware sends each new prompt where there is most room: they spread out.
+        assert [_complete(client, p, "one") for p in PROMPTS * 2] == one * 2
+
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": two_dir})
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == "two" and r.json()["parent"] == base_id
+        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert ids == [base_id, "one", "two"]
+        assert [_complete(client, p, "two") for p in PROMPTS * 2] == two * 2
+
+        # As one engine answers: a name served already and a bad file are 400s naming the
+        # field, and nothing changes.
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": two_dir})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+        missing = str(model_dir.parent / "nowhere")
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": missing})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+        assert "nowhere" in r.json()["error"]["message"]
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ids
+
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "two"})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "two"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+        body = {"prompt": PROMPTS[0], "max_tokens": 2, "model": "two"}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert [_complete(client, p, "one") for p in PROMPTS] == one  # the others still serve
+        assert [_complete(client, p) for p in PROMPTS] == base
+
+
+def _per_replica(text: str, name: str) -> list[float]:
+    return [_gauge(text, name, i) for i in (0, 1)]
+
+
+def test_metrics_count_prefix_cache_hits_per_replica(dp: Daemon) -> None:
+    queries, hits = (
+        "headrace_replica_prefix_cache_queries_tokens_total",
+        "headrace_replica_prefix_cache_hits_tokens_total",
+    )
+    before = httpx.get(f"{dp.url}/metrics", timeout=30).text
+    system = list(range(300, 340))  # 10 full blocks, new to both replicas
+    with dp.http() as client:
+        for follow_up in ([7, 8], [9, 10, 11]):
+            body = {"prompt": system + follow_up, "max_tokens": 2, "temperature": 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 10
+    while True:  # a replica's figures reach the front door with its next Load (20 ms)
+        after = httpx.get(f"{dp.url}/metrics", timeout=30).text
+        looked_up = [b - a for a, b in zip(*(_per_replica(t, queries) for t in (before, after)))]
+        if sum(looked_up) >= 85 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    served = [b - a for a, b in zip(*(_per_replica(t, hits) for t in (before, after)))]
+    # Both went to the replica holding the prefix: it looked up 42 + 43 tokens and found the
+    # 40 of the system prompt once; the other replica counted nothing.
+    holder = looked_up.index(max(looked_up))
+    assert looked_up[holder] == 85 and looked_up[1 - holder] == 0, looked_up
+    assert served[holder] == 40 and served[1 - holder] == 0, served
 
 
 def test_health_and_metrics_name_the_replicas(dp: Daemon) -> None:

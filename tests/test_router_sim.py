@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from plugins import load_router
+from scheduling.routing import RouterContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import router_sim
@@ -14,8 +15,8 @@ TIGHT = 4 * 16 // 2 + 24
 
 
 def figures(name: str, num_blocks: int) -> dict[str, float]:
-    options = {"block_size": router_sim.BLOCK} if name == "cache_aware" else {}
-    done, makespan = router_sim.run(load_router(name, **options), WORKLOAD, 2, num_blocks)
+    context = RouterContext(2, router_sim.BLOCK)
+    done, makespan = router_sim.run(load_router(name, context), WORKLOAD, 2, num_blocks)
     assert len(done) == WORKLOAD.users * WORKLOAD.turns
     return router_sim.figures(done, makespan)
 

@@ -14,6 +14,7 @@ from scheduling.routing import (
     NoHealthyReplicaError,
     ReplicaLoad,
     Router,
+    RouterContext,
     RouteRequest,
 )
 
@@ -59,10 +60,13 @@ def test_builtins_are_registered_and_unknown_names_list_them():
     for name in ("round_robin", "least_load", "cache_aware"):
         router = load_router(name)
         assert isinstance(router, Router) and router.name == name
-    assert load_router("cache_aware", overload_margin=3).overload_margin == 3
-    # The front door passes the replicas' KV layout to whichever router it loads.
+    assert load_router("cache_aware", RouterContext(overload_margin=3)).overload_margin == 3
+    # Every router, built-in or plugin, is built with the same one RouterContext.
+    context = RouterContext(num_replicas=3, block_size=8, hash_algo="sha256")
     for name in ("round_robin", "least_load", "cache_aware"):
-        assert load_router(name, block_size=8, hash_algo="sha256").block_size == 8
+        assert load_router(name, context).context is context
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        RouterContext(block_size=0)
     with pytest.raises(UnknownPluginError, match=r"installed: .*cache_aware.*least_load"):
         load_router("nearest")
 
@@ -80,7 +84,7 @@ def test_a_router_built_for_another_api_version_is_refused(monkeypatch):
             return Old
 
     monkeypatch.setattr(registry, "installed", lambda group: {"old": FakeEntryPoint()})
-    with pytest.raises(PluginError, match=r"version 0.*supports version 1"):
+    with pytest.raises(PluginError, match=r"version 0.*supports version 2"):
         load_router("old")
 
 
@@ -113,7 +117,7 @@ def test_least_load_follows_four_waiting_plus_running():
 
 def test_cache_aware_sends_a_shared_prefix_to_its_holder():
     replicas = [FakeReplica(i) for i in range(3)]
-    router = load_router("cache_aware", block_size=BLOCK)
+    router = load_router("cache_aware", RouterContext(block_size=BLOCK))
     first = prompt_with(1, 4)
     d = router.pick(route(first), [r.load for r in replicas])
     assert d.reason == "no_hit" and d.predicted_cached_tokens == 0
@@ -135,7 +139,7 @@ def test_cache_aware_sends_a_shared_prefix_to_its_holder():
 
 def test_cache_aware_falls_back_when_the_holder_is_overloaded_and_forgets_a_reset():
     replicas = [FakeReplica(i) for i in range(2)]
-    router = CacheAwareRouter(overload_margin=8, block_size=BLOCK)
+    router = CacheAwareRouter(RouterContext(overload_margin=8, block_size=BLOCK))
     prompt = prompt_with(2, 3)
     replicas[0].serve(prompt)
     router.on_kv_events(0, replicas[0].kv.drain_events())
@@ -152,7 +156,7 @@ def test_cache_aware_falls_back_when_the_holder_is_overloaded_and_forgets_a_rese
 
 def test_cache_aware_prefers_the_longest_prefix_then_the_lighter_load():
     replicas = [FakeReplica(i) for i in range(3)]
-    router = CacheAwareRouter(block_size=BLOCK)
+    router = CacheAwareRouter(RouterContext(block_size=BLOCK))
     long_prompt = prompt_with(3, 6)
     replicas[0].serve(long_prompt[: 2 * BLOCK + 1])
     replicas[1].serve(long_prompt[: 5 * BLOCK + 1])
@@ -171,15 +175,15 @@ def test_cache_aware_prefers_the_longest_prefix_then_the_lighter_load():
 def test_cache_aware_refuses_the_process_seeded_hash(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.raises(ValueError, match=r"builtin.*PYTHONHASHSEED"):
-        load_router("cache_aware", hash_algo="builtin")
+        load_router("cache_aware", RouterContext(hash_algo="builtin"))
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    assert load_router("cache_aware", hash_algo="builtin").name == "cache_aware"
+    assert load_router("cache_aware", RouterContext(hash_algo="builtin")).name == "cache_aware"
 
 
 def test_mirror_equals_each_replicas_cache_under_forced_evictions():
     # Tiny pools: every new prompt evicts; some steps fail (untrusted free); one resets.
     replicas = [FakeReplica(i, num_blocks=6) for i in range(2)]
-    router = CacheAwareRouter(block_size=BLOCK)
+    router = CacheAwareRouter(RouterContext(block_size=BLOCK))
     mirror: CacheMirror = router.mirror
     for k in range(40):
         prompt = prompt_with(k % 5, 1 + k % 4, tail=k % 3)
@@ -201,7 +205,7 @@ def test_mirror_equals_each_replicas_cache_under_forced_evictions():
 
 def test_a_miss_goes_where_the_cache_has_most_room_unless_that_is_too_busy():
     replicas = [FakeReplica(i) for i in range(3)]
-    router = CacheAwareRouter(overload_margin=4, block_size=BLOCK)
+    router = CacheAwareRouter(RouterContext(overload_margin=4, block_size=BLOCK))
     replicas[0].serve(prompt_with(5, 6))
     replicas[2].serve(prompt_with(6, 2))
     for r in replicas:
@@ -227,7 +231,9 @@ def test_the_example_third_party_router_is_discovered_once_installed(tmp_path, m
         f"[{ROUTER_GROUP}]\nleast_kv = headrace_least_kv:LeastKVRouter\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    router = load_router("least_kv")
+    context = RouterContext(num_replicas=3, block_size=8)
+    router = load_router("least_kv", context)
+    assert router.context is context  # a plugin is built as the built-ins are
     replicas = loads(3)
     replicas[0].kv_usage, replicas[1].kv_usage, replicas[2].kv_usage = 0.5, 0.2, 0.9
     assert router.pick(route([1]), replicas).index == 1

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from daemon.engine.client import AdapterInfo, EngineDeadError, EngineStats
+from daemon.engine.delta_stream import QueuedDeltaStream
 from daemon.engine.engine import Engine
 from daemon.engine.lora import load_at_run_time
 from daemon.engine.outputs import Delta
@@ -33,33 +34,6 @@ log = logging.getLogger("headrace.engine")
 def runner_executor() -> ThreadPoolExecutor:
     """The one runner thread: every forward (and, in the daemon, the engine's construction)."""
     return ThreadPoolExecutor(1, thread_name_prefix="headrace-runner")
-
-
-class RequestStream:
-    """The deltas of one request. `close()` before the end aborts it (blocks return)."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self.finished:
-            raise StopAsyncIteration
-        delta = await self.queue.get()
-        if delta.finished:
-            self.finished = True
-            self.engine._streams.pop(self.request_id, None)
-        return delta
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -88,7 +62,7 @@ class AsyncEngine:
         self._executor = executor or runner_executor()
         # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="headrace-waiter")
-        self._streams: dict[str, asyncio.Queue[Delta]] = {}
+        self._streams: dict[str, QueuedDeltaStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Called once per loop iteration (the systemd watchdog pings from here).
@@ -139,7 +113,7 @@ class AsyncEngine:
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, **options: Any
-    ) -> RequestStream:
+    ) -> QueuedDeltaStream:
         """Queue a request now; iterate the returned stream for its deltas.
 
         `options` are Engine.add_request's (request_id, priority, slo, cache_salt, grammar,
@@ -150,8 +124,8 @@ class AsyncEngine:
             raise EngineDeadError(self.failure)
         self.start()
         rid = self.engine.add_request(prompt, params, **options)
-        stream = RequestStream(self, rid)
-        self._streams[rid] = stream.queue
+        stream = QueuedDeltaStream(rid, self.abort)
+        self._streams[rid] = stream
         self._wake.set()
         return stream
 
@@ -190,7 +164,7 @@ class AsyncEngine:
         Returns how many were ended."""
         ids = list(self._streams)
         for rid in ids:
-            self._streams.pop(rid).put_nowait(Delta.ending(rid, "abort", why))
+            self._streams.pop(rid).put(Delta.ending(rid, "abort", why))
         if ids:
             self.engine.abort(ids)
             self._wake.set()
@@ -213,7 +187,7 @@ class AsyncEngine:
             self.failure = f"engine loop died: {type(e).__name__}: {e}"
             ids = list(self._streams)
             for rid in ids:
-                self._streams.pop(rid).put_nowait(Delta.ending(rid, "error", self.failure))
+                self._streams.pop(rid).put(Delta.ending(rid, "error", self.failure))
             if self.on_failure is not None:
                 self.on_failure(self.failure)
 
@@ -281,17 +255,20 @@ class AsyncEngine:
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:
-            queue = self._streams.get(delta.request_id)
-            if queue is None:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
                 continue
-            if queue.qsize() >= self.max_pending_deltas and not delta.finished:
-                self._overflow(delta.request_id, queue)
+            if delta.finished:
+                del self._streams[delta.request_id]
+            elif stream.pending() >= self.max_pending_deltas:
+                self._overflow(stream)
                 continue
-            queue.put_nowait(delta)
+            stream.put(delta)
 
-    def _overflow(self, request_id: str, queue: asyncio.Queue[Delta]) -> None:
-        log.warning("request %s: %d deltas not taken; ending it", request_id, queue.qsize())
-        self._streams.pop(request_id, None)
-        self.engine.abort([request_id])
+    def _overflow(self, stream: QueuedDeltaStream) -> None:
+        rid = stream.request_id
+        log.warning("request %s: %d deltas not taken; ending it", rid, stream.pending())
+        self._streams.pop(rid, None)
+        self.engine.abort([rid])
         why = f"the client did not read its stream ({self.max_pending_deltas} chunks pending)"
-        queue.put_nowait(Delta.ending(request_id, "abort", why))
+        stream.put(Delta.ending(rid, "abort", why))

@@ -46,6 +46,9 @@ class AdapterInfo:
     # The file or directory it was read from.
     path: str
     rank: int
+    # Its prefix-cache identity (name + weights digest): a router hashes the request's
+    # blocks with it, as the engine does.
+    lora_id: str = ""
 
 
 @dataclass(slots=True)
@@ -59,6 +62,10 @@ class ReplicaStatus:
     waiting: int = 0
     kv_usage: float = 0.0
     prefix_hit_rate: float = 0.0
+    # Prompt tokens looked up in its prefix cache and found there, since the front door
+    # started (kept across the replica's restarts).
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -100,6 +107,7 @@ class EngineStats:
     prefix_hit_rate: float = 0.0
     # Running totals since start (counters advance to them).
     prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
     preemptions: int = 0
     constrained_requests: int = 0
     grammar_cache_hits: int = 0

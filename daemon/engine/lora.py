@@ -60,7 +60,7 @@ def setup_lora(
 
 
 def adapter_info(adapter: LoRAAdapter) -> AdapterInfo:
-    return AdapterInfo(adapter.name, str(adapter.path), adapter.rank)
+    return AdapterInfo(adapter.name, str(adapter.path), adapter.rank, adapter.lora_id)
 
 
 async def load_at_run_time(

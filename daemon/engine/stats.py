@@ -23,6 +23,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         kv_usage=kv.usage(),
         prefix_hit_rate=kv.prefix_stats.hit_rate,
         prefix_query_tokens=kv.prefix_stats.queries,
+        prefix_hit_tokens=kv.prefix_stats.hits,
         preemptions=sched.num_preemptions,
         constrained_requests=grammars.num_requests,
         grammar_cache_hits=compiles.hits if compiles else 0,

@@ -33,6 +33,18 @@ class ReplicaMetrics:
         self.restarts = Counter(
             "headrace_replica_restarts", "Times the replica was restarted", label, registry=r
         )
+        self.prefix_queries = Counter(
+            "headrace_replica_prefix_cache_queries_tokens",
+            "Prompt tokens the replica looked up in its prefix cache",
+            label,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "headrace_replica_prefix_cache_hits_tokens",
+            "Prompt tokens the replica served from its prefix cache",
+            label,
+            registry=r,
+        )
         self.routed = Counter(
             "headrace_router_requests",
             "Requests routed, by router policy and the reason for the pick",
@@ -58,6 +70,8 @@ class ReplicaMetrics:
             self.waiting.labels(i).set(rep.waiting)
             self.kv_usage.labels(i).set(rep.kv_usage)
             advance(self.restarts.labels(i), rep.restarts)
+            advance(self.prefix_queries.labels(i), rep.prefix_query_tokens)
+            advance(self.prefix_hits.labels(i), rep.prefix_hit_tokens)
         if stats.router is not None:
             for (policy, reason), n in stats.router.decisions.items():
                 advance(self.routed.labels(policy, reason), n)

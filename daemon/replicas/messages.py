@@ -1,8 +1,9 @@
 """The messages between the front door and a replica: plain dataclasses, pickled.
 
-Front door -> replica: `Add`, `Abort`, `Stop`. Replica -> front door: `Hello` (once, when
-ready), `Deltas` (a step's outputs for any of its requests), `Rejected` (an add the engine
-refused), `Load` (live load plus the KV events since the last one).
+Front door -> replica: `Add`, `Abort`, `LoadAdapter`, `UnloadAdapter`, `Stop`. Replica ->
+front door: `Hello` (once, when ready), `Deltas` (a step's outputs for any of its requests),
+`Rejected` (an add the engine refused), `Load` (live load plus the KV events since the last
+one), `AdapterLoaded` (the answer to one `LoadAdapter`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.engine.client import EngineStats, ModelInfo
+from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo
 from daemon.engine.outputs import Delta
 from scheduling import SamplingParams
 
@@ -33,6 +34,22 @@ class Abort:
 
 
 @dataclass(slots=True)
+class LoadAdapter:
+    """Serve one more LoRA adapter (runtime updates); answered by `AdapterLoaded(token)`."""
+
+    token: int
+    name: str
+    path: str
+
+
+@dataclass(slots=True)
+class UnloadAdapter:
+    """Stop serving an adapter (no answer: the front door forgot it already)."""
+
+    name: str
+
+
+@dataclass(slots=True)
 class Stop:
     """Stop the engine and exit (the front door drained first)."""
 
@@ -44,6 +61,8 @@ class Hello:
     info: ModelInfo
     pid: int
     threads: int
+    # The LoRA adapters it serves (its spec's lora_modules).
+    adapters: list[AdapterInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,5 +91,14 @@ class Load:
     kv_events: list[Any] = field(default_factory=list)
 
 
-ToReplica = Add | Abort | Stop
-FromReplica = Hello | Deltas | Rejected | Load
+@dataclass(slots=True)
+class AdapterLoaded:
+    """The answer to `LoadAdapter(token)`: the adapter served, or `error` saying why not."""
+
+    token: int
+    info: AdapterInfo | None
+    error: str = ""
+
+
+ToReplica = Add | Abort | LoadAdapter | UnloadAdapter | Stop
+FromReplica = Hello | Deltas | Rejected | Load | AdapterLoaded

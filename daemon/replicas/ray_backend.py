@@ -128,7 +128,9 @@ class RayBackend:
             hello = await actor.hello.remote()
         except ray.exceptions.RayError as e:
             raise ConnectionError(f"replica {spec.index}: actor not ready: {e}") from e
-        return RayChannel(ray, actor), hello
+        channel = RayChannel(ray, actor)
+        channel.pid = hello.pid  # the actor's worker process (this life's)
+        return channel, hello
 
     async def shutdown(self) -> None:
         for actor in self.actors.values():

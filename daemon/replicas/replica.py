@@ -18,20 +18,24 @@ from dataclasses import dataclass
 
 import torch
 
-from daemon.engine.async_engine import AsyncEngine, RequestStream, runner_executor
+from daemon.engine.async_engine import AsyncEngine, runner_executor
 from daemon.engine.config import EngineConfig
+from daemon.engine.delta_stream import QueuedDeltaStream
 from daemon.engine.engine import Engine
 from daemon.engine.warmup import warm_up
 from daemon.replicas.messages import (
     Abort,
+    AdapterLoaded,
     Add,
     Deltas,
     FromReplica,
     Hello,
     Load,
+    LoadAdapter,
     Rejected,
     Stop,
     ToReplica,
+    UnloadAdapter,
 )
 from scheduling import QueueFullError
 
@@ -61,6 +65,7 @@ class ReplicaCore:
         self._outgoing: list = []
         self._flush_scheduled = False
         self._load_task: asyncio.Task[None] | None = None
+        self._adapter_loads: set[asyncio.Task[None]] = set()
         self.stopped = asyncio.Event()
         self.failure: str | None = None
 
@@ -80,7 +85,8 @@ class ReplicaCore:
         await warm_up(self.engine)
         self._drain_events()  # warm-up blocks are the replica's own; the router starts empty
         self._load_task = loop.create_task(self._publish_load(), name="replica-load")
-        return Hello(engine.info, os.getpid(), cfg.threads or torch.get_num_threads())
+        threads = cfg.threads or torch.get_num_threads()
+        return Hello(engine.info, os.getpid(), threads, self.engine.adapters())
 
     def _engine_died(self, why: str) -> None:
         # Its streams got their error deltas; the replica exits and the front door
@@ -98,6 +104,13 @@ class ReplicaCore:
                 if pump is not None:
                     pump.cancel()
                 self.engine.abort(rid)
+        elif isinstance(message, LoadAdapter):
+            task = asyncio.get_running_loop().create_task(self._load_adapter(message))
+            self._adapter_loads.add(task)
+            task.add_done_callback(self._adapter_loads.discard)
+        elif isinstance(message, UnloadAdapter):
+            with contextlib.suppress(LookupError):  # an adapter it never loaded
+                self.engine.unload_adapter(message.name)
         elif isinstance(message, Stop):
             self.stopped.set()
 
@@ -123,13 +136,22 @@ class ReplicaCore:
         except QueueFullError as e:
             self.emit(Rejected(m.request_id, "queue_full", str(e)))
             return
-        except ValueError as e:
+        except (ValueError, LookupError) as e:  # LookupError: its adapter was just unloaded
             self.emit(Rejected(m.request_id, "bad_request", str(e)))
             return
         task = asyncio.get_running_loop().create_task(self._pump(stream))
         self._pumps[m.request_id] = task
 
-    async def _pump(self, stream: RequestStream) -> None:
+    async def _load_adapter(self, m: LoadAdapter) -> None:
+        assert self.engine is not None
+        try:
+            info = await self.engine.load_adapter(m.name, m.path)
+        except Exception as e:  # any failure is an answer: the front door must not wait
+            self.emit(AdapterLoaded(m.token, None, str(e) or type(e).__name__))
+            return
+        self.emit(AdapterLoaded(m.token, info))
+
+    async def _pump(self, stream: QueuedDeltaStream) -> None:
         try:
             async for delta in stream:
                 self._outgoing.append(delta)

@@ -25,11 +25,22 @@ from typing import Any, Protocol
 from daemon.engine.admission import check_prompt, check_vocab
 from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo, ReplicaStatus, RouterTotals
 from daemon.engine.config import EngineConfig
+from daemon.engine.delta_stream import QueuedDeltaStream
 from daemon.engine.outputs import Delta
-from daemon.replicas.messages import Abort, Add, Deltas, FromReplica, Hello, Load, Rejected, Stop
+from daemon.replicas.adapters import ReplicaAdapters
+from daemon.replicas.messages import (
+    Abort,
+    AdapterLoaded,
+    Add,
+    Deltas,
+    FromReplica,
+    Hello,
+    Load,
+    Rejected,
+    Stop,
+)
 from daemon.replicas.replica import ReplicaSpec
 from daemon.replicas.routing import ReplicaLoad, RouteRequest
-from daemon.replicas.stream import ReplicaStream
 from kvcache.block_hash import prefix_block_hashes, request_extra_keys
 from scheduling import QueueFullError, SamplingParams, SpecDecodeStats
 
@@ -74,10 +85,13 @@ class Replica:
     restarts: int = 0
     up_since: float = 0.0
     load: EngineStats = field(default_factory=EngineStats)
-    streams: dict[str, ReplicaStream] = field(default_factory=dict)
+    streams: dict[str, QueuedDeltaStream] = field(default_factory=dict)
     # Hand-once figures from the replica's Loads, kept until the next scrape.
     compile_seconds: list[float] = field(default_factory=list)
     tenant_seconds: list[tuple[str, float]] = field(default_factory=list)
+    # Prefix-cache totals of its earlier lives (its own restart at zero).
+    past_query_tokens: int = 0
+    past_hit_tokens: int = 0
 
     def route_load(self) -> ReplicaLoad:
         # The front door's own count is current; the replica's report lags by a frame.
@@ -103,9 +117,11 @@ class ReplicaSet:
         self.info: ModelInfo | None = None  # type: ignore[assignment]
         self.tokenizer: Any = None
         self.totals = RouterTotals()
+        self.lora = ReplicaAdapters()
         self._ids = itertools.count()
         self._supervisors: list[asyncio.Task[None]] = []
         self._ready: list[asyncio.Event] = []
+        self._catching_up: set[asyncio.Task[None]] = set()
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -118,6 +134,7 @@ class ReplicaSet:
         first = await asyncio.gather(*(self._connect(r) for r in self.replicas))
         info = first[0].info
         self.info = replace(info, max_waiting=info.max_waiting * len(self.replicas))
+        self.lora.start_with(first[0].adapters)
         self._supervisors = [
             loop.create_task(self._supervise(r), name=f"replica-{r.index}") for r in self.replicas
         ]
@@ -142,6 +159,7 @@ class ReplicaSet:
         """Stop every replica (the caller drained first) and wait for them to exit. `wait`
         is the EngineClient's: replicas always get a bounded wait (their channel's close)."""
         self._stopping = True
+        self.lora.lost()
         for r in self.replicas:
             if r.channel is not None:
                 r.channel.send(Stop())
@@ -157,13 +175,31 @@ class ReplicaSet:
         await self.backend.shutdown()
 
     async def _connect(self, r: Replica) -> Hello:
-        spec = ReplicaSpec(r.index, self.config, self.overlap)
+        config = self.config
+        if self.info is not None:  # a restart: the adapters served now, runtime ones too
+            config = replace(config, lora_modules=self.lora.lora_modules())
+        spec = ReplicaSpec(r.index, config, self.overlap)
         channel, hello = await self.backend.connect(spec)
         r.channel, r.healthy, r.up_since = channel, True, time.monotonic()
         r.load = EngineStats()
         self.router.on_replica_reset(r.index)
+        if self.info is not None and self.lora.differs(hello.adapters):
+            r.healthy = False  # routed to once it serves every adapter
+            task = asyncio.get_running_loop().create_task(self._catch_up(r, channel, hello))
+            self._catching_up.add(task)
+            task.add_done_callback(self._catching_up.discard)
         log.info("replica %d up (pid %s, %d threads)", r.index, hello.pid, hello.threads)
         return hello
+
+    async def _catch_up(self, r: Replica, channel: Channel, hello: Hello) -> None:
+        """A replica back without the adapters served now (a Ray actor restarts with its
+        first spec): load and unload until it matches, then route to it."""
+        failed = await self.lora.catch_up(r, hello.adapters)
+        if r.channel is not channel:
+            return  # lost again meanwhile
+        if failed:
+            log.error("replica %d could not load adapters %s; serving without", r.index, failed)
+        r.healthy = True
 
     async def _supervise(self, r: Replica) -> None:
         failures = 0
@@ -195,7 +231,10 @@ class ReplicaSet:
             "replica %d lost (%s); %d requests fail; restarting", r.index, why, len(r.streams)
         )
         r.healthy = False
+        r.past_query_tokens += r.load.prefix_query_tokens
+        r.past_hit_tokens += r.load.prefix_hit_tokens
         r.load = EngineStats()
+        self.lora.lost(r.index)
         channel, r.channel = r.channel, None
         if channel is not None:
             channel.kill()
@@ -212,11 +251,9 @@ class ReplicaSet:
                 stream = r.streams.get(delta.request_id)
                 if stream is None:
                     continue
-                if not stream.first_seen:
-                    stream.first_seen = True
-                    self.totals.reported_cached_tokens += delta.num_cached_tokens
                 if delta.finished:
                     del r.streams[delta.request_id]
+                    self.totals.reported_cached_tokens += delta.num_cached_tokens
                 stream.put(delta)
         elif isinstance(message, Load):
             r.load = message.stats
@@ -229,12 +266,14 @@ class ReplicaSet:
             if stream is not None:
                 reason = "rejected" if message.kind == "queue_full" else "error"
                 stream.put(Delta.ending(message.request_id, reason, message.message))
+        elif isinstance(message, AdapterLoaded):
+            self.lora.answered(message)
 
     # -- requests ------------------------------------------------------------------------
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, **options: Any
-    ) -> ReplicaStream:
+    ) -> QueuedDeltaStream:
         """Check, route and send a request; raises ValueError or QueueFullError at once."""
         assert self.info is not None, "ReplicaSet.open() first"
         ids = [int(t) for t in prompt_ids]
@@ -245,12 +284,14 @@ class ReplicaSet:
         rid = options.pop("request_id", None) or f"dp-{next(self._ids)}"
         candidates = [r.route_load() for r in self.replicas if r.healthy]
         if not candidates:
-            stream = ReplicaStream(rid, -1, lambda _: None)
+            stream = QueuedDeltaStream(rid, lambda _: None)
             stream.put(Delta.ending(rid, "rejected", "no replica is serving"))
             return stream
+        lora = options.get("lora")
+        lora_id = self.lora.lora_id(lora) if lora is not None else None
         hashes: list[Any] = []
         if self.config.enable_prefix_caching:
-            extra = request_extra_keys(options.get("cache_salt"))
+            extra = request_extra_keys(options.get("cache_salt"), lora_id)
             hashes = prefix_block_hashes(
                 ids, self.config.block_size, self.config.prefix_cache_hash, extra
             )
@@ -264,7 +305,7 @@ class ReplicaSet:
         key = (self.policy, decision.reason)
         self.totals.decisions[key] = self.totals.decisions.get(key, 0) + 1
         self.totals.predicted_cached_tokens += decision.predicted_cached_tokens
-        stream = ReplicaStream(rid, r.index, self.abort)
+        stream = QueuedDeltaStream(rid, self.abort)
         r.streams[rid] = stream
         assert r.channel is not None
         r.channel.send(Add(rid, ids, params, options))
@@ -277,14 +318,17 @@ class ReplicaSet:
                 return
 
     def adapters(self) -> list[AdapterInfo]:
-        """LoRA over replicas is not wired yet: none served."""
-        return []
+        return list(self.lora.served.values())
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        raise ValueError("lora: runtime adapters are not available with data-parallel replicas")
+        """Load on every replica up (all or none); ValueError as one engine's."""
+        assert self.info is not None
+        if not self.info.lora_runtime_updates:
+            raise ValueError("lora: runtime LoRA updates are off (--enable-lora-runtime-updates)")
+        return await self.lora.load(name, path, self.info.name, self.replicas)
 
     def unload_adapter(self, name: str) -> None:
-        raise LookupError(f"lora: adapter {name!r} is not loaded")
+        self.lora.unload(name, self.replicas)
 
     @property
     def num_in_flight_requests(self) -> int:
@@ -294,16 +338,18 @@ class ReplicaSet:
         return [rid for r in self.replicas for rid in r.streams]
 
     def stats(self) -> EngineStats:
-        """The replicas' figures added up (rates weighted by tokens looked up), plus each one."""
+        """The replicas' figures added up (prefix-cache totals over their restarts too),
+        plus each one."""
         out = EngineStats(spec=SpecDecodeStats(), router=self.totals)
-        hits = 0.0
         for r in self.replicas:
             s = r.load
+            queries = r.past_query_tokens + s.prefix_query_tokens
+            hits = r.past_hit_tokens + s.prefix_hit_tokens
             out.running += s.running
             out.waiting += s.waiting
             out.kv_usage += s.kv_usage / len(self.replicas)
-            out.prefix_query_tokens += s.prefix_query_tokens
-            hits += s.prefix_hit_rate * s.prefix_query_tokens
+            out.prefix_query_tokens += queries
+            out.prefix_hit_tokens += hits
             out.preemptions += s.preemptions
             out.constrained_requests += s.constrained_requests
             out.grammar_cache_hits += s.grammar_cache_hits
@@ -322,8 +368,10 @@ class ReplicaSet:
                     s.waiting,
                     s.kv_usage,
                     s.prefix_hit_rate,
+                    queries,
+                    hits,
                 )
             )
         if out.prefix_query_tokens:
-            out.prefix_hit_rate = hits / out.prefix_query_tokens
+            out.prefix_hit_rate = out.prefix_hit_tokens / out.prefix_query_tokens
         return out

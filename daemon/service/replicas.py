@@ -33,7 +33,7 @@ async def open_replicas(config: ServeConfig) -> ReplicaSet:
     """Start the replicas (all must come up once) with the tokenizer loaded here."""
     n = config.server.data_parallel_size
     router_name = config.server.router or DEFAULT_ROUTER
-    router = make_router(router_name, config.engine)
+    router = make_router(router_name, config.engine, n)
     backend = make_backend(config, n)
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(

@@ -20,48 +20,40 @@ import os
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvcache import DEFAULT_BLOCK_SIZE, KVEvent
+from kvcache import KVEvent
 from kvcache.block_hash import get_hash_fn
 from scheduling.routing.mirror import CacheMirror
 from scheduling.routing.router import (
+    DEFAULT_OVERLOAD_MARGIN,
     ROUTER_API_VERSION,
     ReplicaLoad,
     RouteDecision,
+    RouterContext,
     RouteRequest,
     count_routed,
     healthy,
     least_loaded,
 )
 
-# In load-score units (4 x waiting + running): 16 is four more waiting requests than the
-# least-loaded replica. Past that, queueing behind the holder costs more than the prefill
-# the hit saves (benchmarks/router_sim.py sweeps it).
-DEFAULT_OVERLOAD_MARGIN = 16
+__all__ = ["DEFAULT_OVERLOAD_MARGIN", "CacheAwareRouter"]
 
 
 class CacheAwareRouter:
     """Longest cached prefix first, least load when the holder is overloaded or nobody holds it.
 
-    `overload_margin`: how much higher (in load score) the holder's score may be than the
-    least-loaded replica's before the request goes to the least-loaded one instead.
-    `block_size` and `hash_algo` must be the replicas' (the front door hashes prompts with
-    them); the "builtin" hash is refused unless PYTHONHASHSEED fixes Python's hash seed for
-    the front door and, by inheritance, every replica.
+    From its RouterContext: `overload_margin`, how much higher (in load score) the holder's
+    score may be than the least-loaded replica's before the request goes to the
+    least-loaded one instead; `block_size` and `hash_algo`, the replicas' (the front door
+    hashes prompts with them). The "builtin" hash is refused unless PYTHONHASHSEED fixes
+    Python's hash seed for the front door and, by inheritance, every replica.
     """
 
     name: ClassVar[str] = "cache_aware"
     api_version: ClassVar[int] = ROUTER_API_VERSION
 
-    def __init__(
-        self,
-        overload_margin: int = DEFAULT_OVERLOAD_MARGIN,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        hash_algo: str = "sha256",
-    ) -> None:
-        if overload_margin < 0:
-            raise ValueError(f"overload_margin must be >= 0, got {overload_margin}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+    def __init__(self, context: RouterContext | None = None) -> None:
+        context = context or RouterContext()
+        hash_algo = context.hash_algo
         get_hash_fn(hash_algo)
         if hash_algo == "builtin" and not os.environ.get("PYTHONHASHSEED", "").isdigit():
             raise ValueError(
@@ -69,8 +61,9 @@ class CacheAwareRouter:
                 "process, so the router cannot compute the replicas' block hashes; use "
                 "'sha256' (the default) or set PYTHONHASHSEED to a fixed number"
             )
-        self.overload_margin = overload_margin
-        self.block_size = block_size
+        self.context = context
+        self.overload_margin = context.overload_margin
+        self.block_size = context.block_size
         self.mirror = CacheMirror()
 
     def pick(self, req: RouteRequest, replicas: Sequence[ReplicaLoad]) -> RouteDecision:

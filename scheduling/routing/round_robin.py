@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from scheduling.routing.router import (
     LoadOnlyRouter,
     ReplicaLoad,
     RouteDecision,
+    RouterContext,
     RouteRequest,
     count_routed,
     healthy,
@@ -20,8 +21,8 @@ class RoundRobinRouter(LoadOnlyRouter):
 
     name: ClassVar[str] = "round_robin"
 
-    def __init__(self, **kv_layout: Any) -> None:
-        super().__init__(**kv_layout)
+    def __init__(self, context: RouterContext | None = None) -> None:
+        super().__init__(context)
         self._last = -1
 
     def pick(self, req: RouteRequest, replicas: Sequence[ReplicaLoad]) -> RouteDecision:

@@ -2,7 +2,8 @@
 
 The front door (daemon/replicas/) keeps one `ReplicaLoad` per replica, refreshed from the
 replicas' live stats, and asks its Router to `pick` one for every new request. Routers
-that model the replicas' prefix caches also get each replica's KV events.
+that model the replicas' prefix caches also get each replica's KV events. Every router is
+built the same way: `cls(context)`, one `RouterContext`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,49 @@ from typing import ClassVar, Protocol, runtime_checkable
 from kvcache import DEFAULT_BLOCK_SIZE, BlockHash, KVEvent
 
 # Bumped when the Router protocol changes incompatibly; plugins declare the one they target.
-ROUTER_API_VERSION = 1
+# 2: routers are constructed with one RouterContext (1 took keyword options).
+ROUTER_API_VERSION = 2
 
 # vLLM's DP coordinator weighs a waiting request four times a running one: a waiting
 # request still has its whole prefill ahead of it.
 WAITING_WEIGHT = 4
 
 
+# In load-score units (4 x waiting + running): 16 is four more waiting requests than the
+# least-loaded replica. Past that, queueing behind the holder costs more than the prefill
+# a hit saves (benchmarks/router_sim.py sweeps it).
+DEFAULT_OVERLOAD_MARGIN = 16
+
+
 class NoHealthyReplicaError(LookupError):
     """Every replica is down: the front door answers 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterContext:
+    """What the front door tells every router it constructs: the one constructor argument.
+
+    A router reads what it needs and ignores the rest, so a field added later (with a
+    default) breaks no plugin.
+    """
+
+    # Replicas behind the front door (indexes 0..num_replicas-1).
+    num_replicas: int = 1
+    # The replicas' KV layout (--block-size, --prefix-cache-hash): a router that hashes
+    # prompts must hash them as the replicas' KV managers do.
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_algo: str = "sha256"
+    # How much higher (load score) a preferred replica's score may be than the least-loaded
+    # one's before a router gives up its preference (cache_aware's holder).
+    overload_margin: int = DEFAULT_OVERLOAD_MARGIN
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.overload_margin < 0:
+            raise ValueError(f"overload_margin must be >= 0, got {self.overload_margin}")
 
 
 @dataclass(slots=True)
@@ -72,9 +107,8 @@ class RouteDecision:
 class Router(Protocol):
     """Picks a replica per request.
 
-    Contract: the front door constructs every router (plugins.load_router) with the
-    replicas' KV layout as keyword options, `block_size` and `hash_algo`, so a router that
-    does not use them must still accept them (LoadOnlyRouter does).
+    Contract: the front door constructs every router (plugins.load_router) as
+    `cls(context)` with one RouterContext (replica count, KV layout, thresholds).
     `pick` chooses among the replicas with `healthy` set and raises
     NoHealthyReplicaError when there is none; it runs on the front door's event loop, so
     it must be quick (no I/O). `on_kv_events` gets each replica's events in the order the
@@ -97,10 +131,8 @@ class LoadOnlyRouter:
     name: ClassVar[str] = "base"
     api_version: ClassVar[int] = ROUTER_API_VERSION
 
-    def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, hash_algo: str = "sha256") -> None:
-        # The replicas' KV layout: unused by load-only routers, accepted per the contract.
-        self.block_size = block_size
-        self.hash_algo = hash_algo
+    def __init__(self, context: RouterContext | None = None) -> None:
+        self.context = context or RouterContext()
 
     def pick(self, req: RouteRequest, replicas: Sequence[ReplicaLoad]) -> RouteDecision:
         raise NotImplementedError
