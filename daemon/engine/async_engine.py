@@ -97,6 +97,10 @@ class AsyncEngine:
         self.idle_timeout: float | None = None
         self.num_steps = 0
         self._checked_at_step = 0
+        # Called once, from the loop, when the engine can run no more steps (a tensor-parallel
+        # rank was lost): the daemon exits non-zero so its supervisor restarts it.
+        self.on_fatal: Callable[[str], None] | None = None
+        self.fatal: str | None = None
         # A stream holding this many undelivered deltas (its client stopped reading) is
         # ended: memory per request stays bounded whatever the client does.
         self.max_pending_deltas = 4096
@@ -105,7 +109,11 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+            loop = asyncio.get_running_loop()
+            driver = self.engine.tp_driver
+            if driver is not None:  # a worker that exits wakes an idle loop at once
+                driver.on_failure.append(lambda _: loop.call_soon_threadsafe(self._wake.set))
+            self._task = loop.create_task(self._run(), name="engine-loop")
 
     async def stop(self, wait: bool = True) -> None:
         """Stop the loop task. `wait=False` leaves a forward that is still running to end
@@ -138,8 +146,10 @@ class AsyncEngine:
 
         `options` are Engine.add_request's (request_id, priority, slo, cache_salt, grammar,
         lora). Raises ValueError (bad input), LookupError (no such adapter) or QueueFullError
-        (come back later) right here.
+        (come back later) right here; RuntimeError once the engine cannot serve (`fatal`).
         """
+        if self.fatal is not None:
+            raise RuntimeError(f"engine unavailable: {self.fatal}")
         self.start()
         rid = self.engine.add_request(prompt, params, **options)
         stream = RequestStream(self, rid)
@@ -196,6 +206,9 @@ class AsyncEngine:
         while True:
             if self.on_iteration is not None:
                 self.on_iteration()
+            if self.engine.fatal is not None:
+                self._die(self.engine.fatal, in_flight)
+                return
             if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
                 so = self.engine.schedule()
                 if not so.is_empty:
@@ -241,6 +254,20 @@ class AsyncEngine:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
+
+    def _die(self, why: str, in_flight: deque) -> None:  # type: ignore[type-arg]
+        """End every request with an error (the steps in flight already failed or will not
+        be read) and tell the daemon; nothing more is scheduled."""
+        self.fatal = why
+        log.error("engine cannot serve: %s; ending %d requests", why, len(self._streams))
+        for _, future in in_flight:
+            future.cancel()
+        ids = list(self._streams)
+        for rid in ids:
+            self._streams.pop(rid).put_nowait(Delta.ending(rid, "error", why))
+        self.engine.abort(ids)
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _launcher(self) -> Callable[[SchedulerOutput], RunnerOutput | PendingOutput]:
         """With device-side ids (CUDA) a step returns before its ids reach the host; CPU

@@ -90,6 +90,8 @@ class EngineStats:
     # Data-parallel serving only: each replica, and the router's totals (empty/None else).
     replicas: list[ReplicaStatus] = field(default_factory=list)
     router: RouterTotals | None = None
+    # Why the engine cannot serve at all (a tensor-parallel rank was lost), else None.
+    fatal: str | None = None
 
 
 class DeltaStream(Protocol):

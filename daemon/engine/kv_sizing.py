@@ -17,10 +17,11 @@ from runner.models.decoder import DecoderForCausalLM
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
-    """CUDA graphs need CUDA and the Triton backend; --enforce-eager turns them off."""
+    """CUDA graphs need CUDA and the Triton backend, one rank; --enforce-eager turns them off."""
     from runner.triton_ops import triton_available
 
-    if config.enforce_eager or device.type != "cuda":
+    # Under tensor parallelism every forward is a collective the workers replay eagerly.
+    if config.enforce_eager or device.type != "cuda" or config.tensor_parallel_size > 1:
         return False
     backend = config.attention_backend
     return backend == "triton" or (backend == "auto" and triton_available())
@@ -34,7 +35,9 @@ def num_kv_blocks(
     dtype: torch.dtype,
     max_model_len: int,
 ) -> int:
-    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    # This rank's KV heads under tensor parallelism (every rank holds the same blocks).
+    local = getattr(model, "local_config", model_config)
+    per_block = kv_bytes_per_block(local, config.block_size, dtype)
     budget = config.kv_cache_memory
     if budget is None:
         if device.type == "cuda":

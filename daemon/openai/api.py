@@ -127,7 +127,10 @@ class APIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
             return json_response({"status": "draining"}, 503)
-        replicas = self.engine.stats().replicas
+        stats = self.engine.stats()
+        if stats.fatal is not None:
+            return json_response({"status": "unavailable", "reason": stats.fatal}, 503)
+        replicas = stats.replicas
         if not replicas:
             return json_response({"status": "ok"})
         # Data-parallel: serving while any replica serves; the body names the ones down.

@@ -142,6 +142,16 @@ async def serve(config: ServeConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    exit_code = 0
+    if isinstance(async_engine, AsyncEngine):
+
+        def fatal(why: str) -> None:
+            # Lost a tensor-parallel rank: exit 1 so systemd (Restart=) starts a whole group.
+            nonlocal exit_code
+            exit_code = 1
+            stop.set()
+
+        async_engine.on_fatal = fatal
     await stop.wait()
 
     await drain_and_stop(
@@ -156,8 +166,8 @@ async def serve(config: ServeConfig) -> int:
     if uds_sock is not None and config.server.uds:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.server.uds)
-    log.info("stopped")
-    return 0
+    log.info("stopped" if not exit_code else "stopped: the engine failed")
+    return exit_code
 
 
 async def _local_engine(config: ServeConfig, notifier: Notifier) -> tuple[AsyncEngine, Any]:
