@@ -8,6 +8,7 @@ import contextlib
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,13 @@ from runner.loaders.hf_loader import HFDirectory
 from runner.model_config import ModelConfig
 from runner.model_runner import kv_bytes_per_block
 from runner.parallel.ring import ShmRing
-from runner.parallel.sharding import HeadSplit, ShardPlan, local_config, vocab_shard
+from runner.parallel.sharding import (
+    HeadSplit,
+    ShardPlan,
+    local_config,
+    max_kv_heads_per_rank,
+    vocab_shard,
+)
 from runner.parallel.step import CacheSpec, StepInput
 from scheduling import SamplingParams
 
@@ -43,27 +50,34 @@ def shape(heads: int, kv: int, vocab: int = 321) -> ModelConfig:
     [
         (8, 4, [(0, 1), (2, 3)]),  # KV heads divide: split, nothing repeated
         (4, 1, [(0,), (0,)]),  # fewer KV heads than ranks: replicated
-        (6, 3, [(0, 0, 1), (1, 2, 2)]),  # not divisible: straddled heads repeated
+        (6, 3, [(0,), (1, 2)]),  # not divisible: whole groups, one rank a group more
+        (9, 3, [(0,), (1, 2)]),  # SmolLM2: 9 query heads, 3 KV heads
         (6, 6, [(0, 1, 2), (3, 4, 5)]),  # plain MHA
     ],
 )
 def test_kv_heads_follow_each_ranks_queries(heads, kv, want):
     cfg = shape(heads, kv)
     group = heads // kv
+    covered = []
     for rank in range(2):
         split = HeadSplit.of(cfg, rank, 2)
         assert split.kv_heads == want[rank]
+        covered.extend(split.q_heads)
         local = local_config(cfg, rank, 2)
         run = local.num_attention_heads // local.num_key_value_heads
         # Uniform local GQA: local query head i reads local KV head i // run, which must be
         # the KV head its global query head reads.
         for i, q in enumerate(split.q_heads):
             assert split.kv_heads[i // run] == q // group
+    assert covered == list(range(heads))  # every query head on exactly one rank
 
 
-def test_heads_that_do_not_split_are_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide the 3"):
-        HeadSplit.of(shape(3, 1), 0, 2)
+def test_fewer_kv_heads_than_ranks_split_queries_evenly():
+    # 9 query heads, one KV head, 2 ranks: 4 and 5 query heads, each run reading KV head 0.
+    assert [len(HeadSplit.of(shape(9, 1), r, 2).q_heads) for r in range(2)] == [4, 5]
+    assert set(HeadSplit.of(shape(9, 1), 1, 2).kv_heads) == {0}
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks exceed the 3"):
+        HeadSplit.of(shape(3, 1), 0, 4)
 
 
 def test_odd_vocabulary_splits_with_a_short_last_shard():
@@ -143,8 +157,9 @@ def test_tp2_greedy_equals_tp1_with_chunks_prefix_hits_and_preemption(kind, over
     outs, preemptions, hits = [], [], []
     for tp in (1, 2):
         # 20 blocks per rank: too few for six requests at once, so some are recomputed.
-        local = local_config(HFDirectory(tmp_path).config(), 0, tp)
-        per_block = kv_bytes_per_block(local, 4, torch.float32)
+        full = HFDirectory(tmp_path).config()
+        heads = max_kv_heads_per_rank(full, tp)  # the rank with the most KV heads decides
+        per_block = kv_bytes_per_block(replace(full, num_key_value_heads=heads), 4, torch.float32)
         with engine(tmp_path, tp, kv_cache_memory=20 * per_block, **cfg) as e:
             assert e.kv.num_blocks == 20
             assert (e.tp_driver is not None) == (tp == 2)

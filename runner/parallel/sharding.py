@@ -10,12 +10,13 @@ embed_tokens, lm_head    vocab-parallel: each rank holds ceil(V / N) vocabulary 
 norms, RoPE              replicated
 ```
 
-KV heads: query heads split evenly (H % N == 0). A rank's Hl = H / N query heads are cut in
-runs of g' = gcd(H / KVH, Hl) consecutive heads; each run reads one KV head, so a rank holds
-Hl / g' KV heads. When KVH divides by N that is KVH / N heads each (nothing repeated); when
-KVH < N each rank holds the one head its queries read (replicated, as vLLM does); when KVH
-does not divide by N (KVH=3, N=2) the heads a rank's queries straddle are repeated so that
-every rank's query heads still form uniform GQA groups, which the attention kernels need.
+KV heads: with at least N KV heads, each rank takes whole GQA groups (a KV head and the
+query heads that read it), as evenly as the count allows: KVH / N each when it divides
+(vLLM's rule), else some ranks one group more (SmolLM2's 3 KV heads over 2 ranks: 1 and 2).
+With fewer KV heads than ranks the query heads split evenly and each rank holds the KV heads
+they read (replicated, as vLLM does). Query heads are cut in runs of g' = gcd(group, first
+head, count) that read one KV head each, so every rank's heads form uniform GQA groups,
+which the attention kernels need. The MLP's intermediate rows split as evenly as they go.
 """
 
 from __future__ import annotations
@@ -40,16 +41,28 @@ class HeadSplit:
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> HeadSplit:
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if heads % world:
-            raise ValueError(
-                f"tensor_parallel_size: {world} does not divide the {heads} attention heads"
-            )
-        local = heads // world
         group = heads // kv  # query heads per KV head
-        run = math.gcd(group, local)
-        first = rank * local
-        kv_heads = tuple((first + j * run) // group for j in range(local // run))
-        return cls(range(first, first + local), kv_heads)
+        if kv >= world:  # whole groups per rank
+            groups = even_share(kv, rank, world)
+            q = range(groups.start * group, groups.stop * group)
+            return cls(q, tuple(groups))
+        if heads < world:
+            raise ValueError(
+                f"tensor_parallel_size: {world} ranks exceed the {heads} attention heads"
+            )
+        q = even_share(heads, rank, world)
+        run = math.gcd(group, q.start, len(q))
+        return cls(q, tuple((q.start + j * run) // group for j in range(len(q) // run)))
+
+
+def even_share(n: int, rank: int, world: int) -> range:
+    """Rank `rank`'s contiguous share of n items, sizes differing by at most one."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+def max_kv_heads_per_rank(cfg: ModelConfig, world: int) -> int:
+    """The most KV heads any rank holds: every rank allocates the same number of blocks."""
+    return max(len(HeadSplit.of(cfg, r, world).kv_heads) for r in range(world))
 
 
 def vocab_shard(vocab: int, rank: int, world: int) -> range:
@@ -64,17 +77,12 @@ def vocab_per_rank(vocab: int, world: int) -> int:
 
 def local_config(cfg: ModelConfig, rank: int, world: int) -> ModelConfig:
     """The shape of one rank's layers: its heads, its share of the MLP (hidden size whole)."""
-    if cfg.intermediate_size % world:
-        raise ValueError(
-            f"tensor_parallel_size: {world} does not divide the intermediate size "
-            f"{cfg.intermediate_size}"
-        )
     split = HeadSplit.of(cfg, rank, world)
     return replace(
         cfg,
         num_attention_heads=len(split.q_heads),
         num_key_value_heads=len(split.kv_heads),
-        intermediate_size=cfg.intermediate_size // world,
+        intermediate_size=len(even_share(cfg.intermediate_size, rank, world)),
     )
 
 
@@ -102,8 +110,8 @@ class ShardPlan:
             return 0, [(q.start * head, q.stop * head)]
         if module in ("k_proj", "v_proj"):
             return 0, [(h * head, (h + 1) * head) for h in split.kv_heads]
-        share = cfg.intermediate_size // self.world
-        mlp = (self.rank * share, (self.rank + 1) * share)
+        share = even_share(cfg.intermediate_size, self.rank, self.world)
+        mlp = (share.start, share.stop)
         if module in ("gate_proj", "up_proj"):
             return 0, [mlp]
         if module == "down_proj" and kind == "weight":
