@@ -152,7 +152,8 @@ class EngineConfig:
     )
     threads: int | None = opt(
         None,
-        "most torch intra-op threads (default: every core this process may use)",
+        "most torch intra-op threads (default: every core this process may use; under "
+        "tensor parallelism, per rank, default its share of the cores)",
     )
     thread_governor: bool = opt(
         True,

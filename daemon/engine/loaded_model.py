@@ -101,6 +101,7 @@ def _start_workers(
         load_model_class,
         config.tensor_parallel_timeout,
         slot,
+        threads=config.threads,
     )
 
 

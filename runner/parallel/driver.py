@@ -60,8 +60,10 @@ class TensorParallelDriver:
         timeout_s: float = 30.0,
         slot_bytes: int = 1 << 20,
         pin: bool = True,
+        threads: int | None = None,
     ) -> None:
-        """Spawns the workers and joins the group (returns once every rank has joined)."""
+        """Spawns the workers and joins the group (returns once every rank has joined).
+        Each rank runs `threads` torch threads (default: one per core of its share)."""
         if world_size < 2:
             raise ValueError(f"tensor_parallel_size: {world_size} needs no driver (>= 2)")
         self.world_size, self.timeout_s = world_size, timeout_s
@@ -79,7 +81,7 @@ class TensorParallelDriver:
         for rank in range(1, world_size):
             mine = tuple(cores_of_rank(cores, rank, world_size))
             spec = WorkerSpec(rank, world_size, init_method, backend, timeout_s, mine,
-                              len(mine), source, platform, lookup, self.ring.name,
+                              threads or len(mine), source, platform, lookup, self.ring.name,
                               self.ring.slots, self.ring.slot_bytes, os.getpid())  # fmt: skip
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"headrace-tp{rank}")
             proc.daemon = True
@@ -90,7 +92,7 @@ class TensorParallelDriver:
         self.cores = cores_of_rank(cores, 0, world_size)
         if pin:
             os.sched_setaffinity(0, self.cores)
-        torch.set_num_threads(len(self.cores))
+        torch.set_num_threads(threads or len(self.cores))
         threading.Thread(target=self._watch, name="headrace-tp-watch", daemon=True).start()
         try:
             self.tp = TensorParallel.init(0, world_size, init_method, backend, timeout_s)
