@@ -269,3 +269,23 @@ async def test_killed_worker_fails_requests_and_health_reports_it(smol_tiny):
         await client.close()
         await engine_client.stop(wait=False)
         e.close()
+
+
+def test_daemon_exits_1_when_a_worker_dies(smol_tiny, tmp_path):
+    """systemd's Restart= then starts a whole new group: a lost rank is never a silent hang."""
+    import os
+    import re
+    import signal
+
+    from daemon_fixtures import Daemon
+
+    daemon = Daemon(tmp_path, "--model", str(smol_tiny), "--tensor-parallel-size", "2",
+                    "--max-model-len", "256", "--tensor-parallel-timeout", "5")  # fmt: skip
+    try:
+        pid = int(re.search(r"rank 1 \(pid (\d+)\) ready", daemon.log.read_text()).group(1))
+        assert daemon.http().get("/health").status_code == 200
+        os.kill(pid, signal.SIGKILL)
+        assert daemon.proc.wait(60) == 1
+        assert "tensor-parallel worker" in daemon.log.read_text()
+    finally:
+        daemon.stop()

@@ -113,7 +113,8 @@ def _serve(spec: WorkerSpec) -> None:
     cache = CacheSpec.decode(ring.read(spec.rank, parent_alive), BACKENDS)
     spec.platform.prepare_as(model, cache.small_rows, cache.min_rows)
     shard = ShardRunner(model, cache, device, spec.platform.dtype)
-    log.info("rank %d ready on cores %s (%d threads)", spec.rank, spec.cores, spec.threads)
+    log.info("rank %d (pid %d) ready on cores %s (%d threads)", spec.rank, os.getpid(),
+             spec.cores, spec.threads)  # fmt: skip
     while True:
         words = ring.read(spec.rank, parent_alive)
         if message_kind(words) == STOP:
