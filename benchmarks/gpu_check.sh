@@ -49,3 +49,8 @@ timeout 180 $PY -m pytest -q -x tests/test_triton_attention.py tests/test_triton
     tests/test_triton_backend.py tests/test_triton_cuda.py \
     && echo "RESULT cuda_tests=pass" || echo "RESULT cuda_tests=FAIL"
 time timeout 290 $PY benchmarks/gpu_check.py
+# Tensor parallelism over NCCL: TP=2 greedy equals TP=1, only where two GPUs exist.
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    timeout 240 $PY benchmarks/tensor_parallel.py --check --device cuda \
+        || echo "RESULT tp_greedy_equal=FAIL"
+fi

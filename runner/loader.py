@@ -14,6 +14,8 @@ from runner.model_source import ModelSource
 from runner.models.decoder import DecoderForCausalLM
 from runner.models.registry import apply_architecture_defaults, builtin_model_class
 from runner.models.rope import RotaryEmbedding
+from runner.parallel.group import TensorParallel
+from runner.parallel.sharding import ShardPlan
 
 if TYPE_CHECKING:
     from runner.loaders.gguf_loader import GGUFModel
@@ -42,13 +44,27 @@ def _architecture(
     return cfg, cls
 
 
+def _build(cls: type, cfg: ModelConfig, max_positions: int | None, tp: TensorParallel | None):
+    if tp is None:
+        return cls(cfg, max_positions)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor_parallel_size: the {cfg.architecture} architecture ({cls.__name__}) "
+            "does not support tensor parallelism"
+        )
+    return cls(cfg, max_positions, tp=tp)
+
+
 def model_linears(
-    checkpoint: GGUFModel | HFDirectory, lookup: ModelClassLookup | None = None
+    checkpoint: GGUFModel | HFDirectory,
+    lookup: ModelClassLookup | None = None,
+    tp: TensorParallel | None = None,
 ) -> list[LinearShape]:
-    """The model's linear layer shapes, from an instance on the meta device (no weights)."""
+    """The model's (or this rank's shard's) linear layer shapes, from an instance on the
+    meta device (no weights)."""
     cfg, cls = _architecture(checkpoint, lookup)
     with torch.device("meta"):
-        return linear_shapes(cls(cfg))
+        return linear_shapes(_build(cls, cfg, None, tp))
 
 
 def load_model(
@@ -58,21 +74,24 @@ def load_model(
     lookup: ModelClassLookup | None = None,
     max_positions: int | None = None,
     checkpoint: GGUFModel | HFDirectory | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Instantiate the architecture and load its weights. `lookup` resolves architectures
     that are not built in (the daemon passes the `headrace.models` plugin registry);
-    `checkpoint` reuses a file the caller already opened."""
+    `checkpoint` reuses a file the caller already opened; with `tp` only this rank's shard
+    is built and read (runner/parallel/sharding.py)."""
     checkpoint = checkpoint or open_checkpoint(source)
     cfg, cls = _architecture(checkpoint, lookup)
     # Built on the meta device: no time is spent on a random init the weights overwrite.
     # Parameters are allocated once, on the device and in the target dtype; each checkpoint
     # tensor is converted as it is copied in, so no fp32 copy of the whole model exists.
     with torch.device("meta"):
-        model = cls(cfg, max_positions).to(dtype)
+        model = _build(cls, cfg, max_positions, tp).to(dtype)
     model = model.to_empty(device=device)
     # to_empty unties shared parameters and leaves computed buffers empty: redo both.
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
-    model.load_weights(checkpoint.weights(cfg))
+    shard = None if tp is None else ShardPlan(cfg, tp.rank, tp.world_size)
+    model.load_weights(checkpoint.weights(cfg, shard) if shard else checkpoint.weights(cfg))
     return model.to(dtype).eval(), cfg  # the RoPE tables follow the activations' dtype

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,15 @@ from runner.kv_connectors import KVConnectorWorker
 from runner.lora import LoRAManager
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
+from runner.parallel.step import StepInput
 from runner.rejection_sampler import LogprobEntry, verify_drafts
 from runner.sampler import SamplingBatch
 from runner.spec_decode import DraftRequest, Proposer
 from runner.spec_decode.draft_length import AdaptiveDraftLength
 from scheduling import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
+
+if TYPE_CHECKING:
+    from runner.parallel.driver import TensorParallelDriver
 
 log = logging.getLogger("headrace.runner")
 
@@ -67,10 +72,12 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         lora: LoRAManager | None = None,
         kv_connector: KVConnectorWorker | None = None,
+        tp_driver: TensorParallelDriver | None = None,
     ) -> None:
         """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
         decode-only steps (CUDA with the Triton backend only; ignored elsewhere). `lora`
-        serves adapters (its wrappers are installed on `model` already)."""
+        serves adapters (its wrappers are installed on `model` already). `tp_driver`: the
+        model is rank 0's shard; each step's input goes to the other ranks first."""
         self.model, self.cfg = model, cfg
         self.lora = lora
         # Speculative decoding: drafts proposed right after sampling, verified next step.
@@ -79,12 +86,15 @@ class ModelRunner:
         # None: every request gets the full k each step.
         self.draft_length: AdaptiveDraftLength | None = None
         self.block_size, self.device = block_size, device
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.tp_driver = tp_driver
+        # This rank's KV heads (all of them without tensor parallelism).
+        local = getattr(model, "local_config", cfg)
+        shape = (2, num_blocks, block_size, local.num_key_value_heads, local.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
         ]
         self.attn_backend = select_attention_backend(
-            device, cfg.num_key_value_heads, attention_backend
+            device, local.num_key_value_heads, attention_backend
         )
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.attn_backend)
@@ -92,13 +102,15 @@ class ModelRunner:
             raise ValueError(f"{type(model).__name__} cannot take the {self.attn_backend.name} "
                              "attention backend (it has no set_attention_backend)")  # fmt: skip
         self.graphs = None
+        if tp_driver is not None:  # the workers replay steps eagerly, ids from the host
+            decode_graphs = None
         if decode_graphs and device.type == "cuda" and self.attn_backend.name == "triton":
             from runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.kv_caches, *decode_graphs, block_size, device)
             self.graphs.capture()
         # CUDA: greedy steps leave their ids on the GPU (runner/device_queue.py).
-        self.device_tokens = DeviceTokens() if device.type == "cuda" else None
+        self.device_tokens = DeviceTokens() if device.type == "cuda" and tp_driver is None else None
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded generators outlive preemption, so a resumed request continues its sequence.
         self.generators: dict[str, torch.Generator] = {}
@@ -181,10 +193,11 @@ class ModelRunner:
             if start + n >= num_tokens:
                 first = offset + num_tokens - 1 - start
                 samplers.append((rid, drafts, range(first, offset + n)))
+        rows = [row for _, _, rs in samplers for row in rs]
         t_forward = time.perf_counter()
         try:
             try:
-                hidden = self._forward(so, input_ids, positions, fills)
+                hidden = self._forward(so, input_ids, positions, fills, rows)
                 if self.kv_connector is not None and so.kv_connector_meta is not None:
                     self.kv_connector.save(so.kv_connector_meta, self._block_tables, self.kv_caches)
             finally:
@@ -194,8 +207,7 @@ class ModelRunner:
                     self.requests[rid].num_computed_tokens += n
             if not samplers:
                 return RunnerOutput(forward_s=time.perf_counter() - t_forward)
-            rows = [row for _, _, rs in samplers for row in rs]
-            logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
+            logits = self._logits(hidden, rows)
             if on_device and self.device_tokens is not None:
                 ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
                 return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
@@ -256,15 +268,26 @@ class ModelRunner:
             for rid in so.num_scheduled_tokens
         )
 
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        try:
+            return self.model.compute_logits(hidden[to_device(rows, self.device)])
+        except Exception as e:
+            if self.tp_driver is not None:  # a collective failed: the group is gone
+                self.tp_driver.fail(f"tensor-parallel LM head failed: {e}")
+            raise
+
     def _forward(
         self,
         so: SchedulerOutput,
         input_ids: list[int],
         positions: list[int],
         fills: list[tuple[int, int]],
+        rows: list[int],
     ) -> torch.Tensor:
         reqs = [self.requests[rid] for rid in so.num_scheduled_tokens]
         num_new = list(so.num_scheduled_tokens.values())
+        if self.tp_driver is not None:
+            return self._forward_parallel(reqs, num_new, input_ids, positions, rows)
         fill = self._fill_from_device(fills)
         # The graphs were captured without adapters: a step with one runs eagerly.
         adapted = self.lora is not None and self.lora.begin_step([r.lora for r in reqs], num_new)
@@ -285,6 +308,30 @@ class ModelRunner:
         finally:
             if adapted:
                 self.lora.end_step()  # type: ignore[union-attr]
+
+    def _forward_parallel(
+        self,
+        reqs: list[RunnerRequest],
+        num_new: list[int],
+        input_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """Rank 0 of tensor parallelism: the workers get the step first, then every rank
+        runs the same forward on its shard (their collectives meet inside it)."""
+        assert self.tp_driver is not None
+        computed = [r.num_computed_tokens for r in reqs]
+        tables = [r.block_ids for r in reqs]
+        self.tp_driver.publish(StepInput(input_ids, positions, computed, num_new, tables, rows))
+        meta = self.attn_backend.build_metadata(
+            computed, num_new, tables, self.block_size, self.device
+        )
+        ids, pos = to_device(input_ids, self.device), to_device(positions, self.device)
+        try:
+            return self.model(ids, pos, self.kv_caches, meta)
+        except Exception as e:
+            self.tp_driver.fail(f"tensor-parallel forward failed: {e}")
+            raise
 
     def _fill_from_device(
         self, fills: list[tuple[int, int]]

@@ -181,6 +181,26 @@ class Platform:
                 else "small-batch int8 weights: not faster here, dropped"
             )
 
+    def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
+        """Convert a tensor-parallel worker's shard as rank 0 did, with rank 0's measured
+        figures: every rank takes the same linear path for the same step."""
+        pack_linears(
+            model,
+            self.weight_format,
+            self.int8_kernel,
+            self.int8_reduce_range,
+            self.float_format,
+            self.small_batch_int8,
+        )
+        self.small_rows, self.min_rows = small_rows, min_rows
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.min_rows = min_rows or 0
+                if m.has_small_batch_int8 and small_rows:
+                    m.small_rows = small_rows
+                elif m.has_small_batch_int8:
+                    m.drop_small_batch_int8()
+
     def describe(self) -> str:
         kernel = f" ({self.int8_kernel})" if self.weight_format == "int8" else ""
         feats = f" cpu={self.features.names()}" if self.features else ""

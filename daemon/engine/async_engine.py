@@ -74,7 +74,8 @@ class AsyncEngine:
         # A stream holding this many undelivered deltas (its client stopped reading) is
         # ended: memory per request stays bounded whatever the client does.
         self.max_pending_deltas = 4096
-        # Set once if the loop dies (see _run_guarded); then told to `on_failure`.
+        # Set once the engine can run no more steps (the loop died, or a tensor-parallel rank
+        # was lost: see _die); then told to `on_failure`.
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
 
@@ -83,6 +84,9 @@ class AsyncEngine:
     def start(self) -> None:
         if self._task is None and self.failure is None:
             loop = asyncio.get_running_loop()
+            driver = self.engine.tp_driver
+            if driver is not None:  # a worker that exits wakes an idle loop at once
+                driver.on_failure.append(lambda _: loop.call_soon_threadsafe(self._wake.set))
             self._task = loop.create_task(self._run_guarded(), name="engine-loop")
 
     async def stop(self, wait: bool = True) -> None:
@@ -118,7 +122,7 @@ class AsyncEngine:
 
         `options` are Engine.add_request's (request_id, priority, slo, cache_salt, grammar,
         lora). Raises ValueError (bad input), LookupError (no such adapter) or QueueFullError
-        (come back later) right here.
+        (come back later) right here; EngineDeadError once the engine cannot serve (`failure`).
         """
         if self.failure is not None:
             raise EngineDeadError(self.failure)
@@ -183,13 +187,8 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("engine loop died; ending every request")
-            self.failure = f"engine loop died: {type(e).__name__}: {e}"
-            ids = list(self._streams)
-            for rid in ids:
-                self._streams.pop(rid).put(Delta.ending(rid, "error", self.failure))
-            if self.on_failure is not None:
-                self.on_failure(self.failure)
+            log.exception("engine loop died")
+            self._die(f"engine loop died: {type(e).__name__}: {e}", deque())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -197,6 +196,9 @@ class AsyncEngine:
         while True:
             if self.on_iteration is not None:
                 self.on_iteration()
+            if self.engine.fatal is not None:
+                self._die(self.engine.fatal, in_flight)
+                return
             if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
                 so = self.engine.schedule()
                 if not so.is_empty:
@@ -246,6 +248,23 @@ class AsyncEngine:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_timeout)
+
+    def _die(self, why: str, in_flight: deque) -> None:  # type: ignore[type-arg]
+        """End every request with an error (the steps in flight already failed or will not
+        be read), refuse new ones (EngineDeadError) and tell the daemon (`on_failure`: it
+        exits non-zero for its supervisor to restart it; a replica exits for its front door
+        to restart it); nothing more is scheduled."""
+        self.failure = why
+        log.error("engine cannot serve: %s; ending %d requests", why, len(self._streams))
+        for _, future in in_flight:
+            future.cancel()
+        ids = list(self._streams)
+        for rid in ids:
+            self._streams.pop(rid).put(Delta.ending(rid, "error", why))
+        with contextlib.suppress(Exception):  # the scheduler may be what broke
+            self.engine.abort(ids)
+        if self.on_failure is not None:
+            self.on_failure(why)
 
     def _launcher(self) -> Callable[[SchedulerOutput], RunnerOutput | PendingOutput]:
         """With device-side ids (CUDA) a step returns before its ids reach the host; CPU

@@ -123,7 +123,8 @@ class EngineStats:
     router: RouterTotals | None = None
     # With a KV connector only.
     kv_connector: KVConnectorStats | None = None
-    # Why the engine loop died (None while it serves): /health answers 503 with it.
+    # Why the engine cannot serve (its loop died, a tensor-parallel rank was lost), else
+    # None: /health answers 503 with it.
     failure: str | None = None
 
 

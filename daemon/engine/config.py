@@ -145,9 +145,21 @@ class EngineConfig:
         "grammar compile worker processes; compiles queue per client and one client never "
         "holds all of them",
     )
+    tensor_parallel_size: int = opt(
+        1,
+        "ranks the model is split across (tensor parallelism): N-1 worker processes plus "
+        "the engine's own, over torch.distributed (gloo on the CPU, NCCL on CUDA); each "
+        "rank is pinned to its share of the cores (1: one process, unchanged)",
+    )
+    tensor_parallel_timeout: float = opt(
+        30.0,
+        "seconds a tensor-parallel collective or step hand-off may wait for a rank; past "
+        "it (or at once when a worker exits) in-flight requests fail and the daemon exits 1",
+    )
     threads: int | None = opt(
         None,
-        "most torch intra-op threads (default: every core this process may use)",
+        "most torch intra-op threads (default: every core this process may use; under "
+        "tensor parallelism, per rank, default its share of the cores)",
     )
     thread_governor: bool = opt(
         True,

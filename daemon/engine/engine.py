@@ -25,7 +25,7 @@ from daemon.engine.loaded_model import LoadedModel
 from daemon.engine.lora import adapter_info, lora_enabled, setup_lora
 from daemon.engine.output_processor import OutputProcessor
 from daemon.engine.outputs import Completion, Delta
-from daemon.engine.setup import describe, make_policy, thread_governor
+from daemon.engine.setup import describe, make_policy, thread_governor, tp_cache_spec
 from daemon.engine.stats import engine_stats
 from grammars import GrammarSpec
 from grammars.limits import GrammarLimits
@@ -69,6 +69,8 @@ class Engine:
             loaded.config,
         )
         self.model_name = loaded.name
+        # Tensor parallelism: the workers' handle (None with one rank).
+        self.tp_driver = loaded.tp_driver
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
         # The adapters served by name; None when LoRA is off (nothing installed). Set up
         # before the KV cache is sized: the resident slots take device memory too.
@@ -124,12 +126,15 @@ class Engine:
             self.speculative.num_speculative_tokens,
             lora_manager,
             self.kv_connector.worker if self.kv_connector else None,
+            self.tp_driver,
         )
         self.runner.draft_length = speculative.draft_length(self.speculative)
         if config.deterministic:
             from runner.batch_invariance import make_attention_batch_invariant
 
             make_attention_batch_invariant(self.runner.attn_backend)
+        if self.tp_driver is not None:
+            self.tp_driver.send_cache(tp_cache_spec(self, num_blocks, loaded))
         self.eos_token_id = (self.model_config.eos_token_ids or [None])[0]
         self.info = ModelInfo(
             self.model_name,
@@ -252,10 +257,18 @@ class Engine:
         return kv_connectors.needs_runner(self.kv_connector)
 
     def close(self) -> None:
-        """Finish the KV connector's writes and stop its threads (a producer's server too)."""
+        """Finish the KV connector's writes and stop its threads (a producer's server too);
+        stop the tensor-parallel workers."""
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
+        if self.tp_driver is not None:
+            self.tp_driver.close()
+
+    @property
+    def fatal(self) -> str | None:
+        """Why this engine can run no more steps (a tensor-parallel rank was lost), or None."""
+        return self.tp_driver.failure if self.tp_driver is not None else None
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         ro = self.launch(so)

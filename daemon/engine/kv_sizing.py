@@ -7,6 +7,7 @@ decode graphs' pool), else min(available RAM / 4, 1 GiB) on the CPU.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -14,13 +15,15 @@ from daemon.engine.config import EngineConfig
 from runner.model_config import ModelConfig
 from runner.model_runner import kv_bytes_per_block
 from runner.models.decoder import DecoderForCausalLM
+from runner.parallel.sharding import max_kv_heads_per_rank
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
-    """CUDA graphs need CUDA and the Triton backend; --enforce-eager turns them off."""
+    """CUDA graphs need CUDA and the Triton backend, one rank; --enforce-eager turns them off."""
     from runner.triton_ops import triton_available
 
-    if config.enforce_eager or device.type != "cuda":
+    # Under tensor parallelism every forward is a collective the workers replay eagerly.
+    if config.enforce_eager or device.type != "cuda" or config.tensor_parallel_size > 1:
         return False
     backend = config.attention_backend
     return backend == "triton" or (backend == "auto" and triton_available())
@@ -34,7 +37,13 @@ def num_kv_blocks(
     dtype: torch.dtype,
     max_model_len: int,
 ) -> int:
-    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    # Under tensor parallelism every rank holds the same blocks of its own KV heads: the
+    # budget is per rank, sized for the rank that holds the most heads.
+    local = model_config
+    if config.tensor_parallel_size > 1:
+        heads = max_kv_heads_per_rank(model_config, config.tensor_parallel_size)
+        local = replace(model_config, num_key_value_heads=heads)
+    per_block = kv_bytes_per_block(local, config.block_size, dtype)
     budget = config.kv_cache_memory
     if budget is None:
         if device.type == "cuda":

@@ -12,16 +12,21 @@ from daemon.engine import speculative
 from daemon.engine.config import EngineConfig, default_threads
 from daemon.engine.loaded_model import pick_device
 from plugins import load_policy
+from runner.parallel.step import CacheSpec
 from runner.thread_governor import ThreadGovernor
 from scheduling import Policy
 from scheduling.policies.fair import parse_tenant_weights
 
 if TYPE_CHECKING:
     from daemon.engine.engine import Engine
+    from daemon.engine.loaded_model import LoadedModel
 
 
 def thread_governor(config: EngineConfig) -> ThreadGovernor | None:
-    """Sets torch's thread count; returns the governor when it should adapt it per step."""
+    """Sets torch's thread count; returns the governor when it should adapt it per step.
+    Under tensor parallelism each rank takes its share of the cores (runner/parallel)."""
+    if config.tensor_parallel_size > 1:
+        return None
     if not (config.threads or pick_device(config.device).type == "cpu"):
         return None
     threads = config.threads or default_threads()
@@ -32,6 +37,19 @@ def thread_governor(config: EngineConfig) -> ThreadGovernor | None:
     # --deterministic: a fixed team (the kernels' split of the work follows it).
     governed = config.thread_governor and not config.deterministic
     return governor if governed and governor.enabled and not passive else None
+
+
+def tp_cache_spec(engine: Engine, num_blocks: int, loaded: LoadedModel) -> CacheSpec:
+    """What the tensor-parallel workers need to mirror rank 0's cache and linear paths."""
+    platform = loaded.platform
+    return CacheSpec(
+        num_blocks,
+        engine.config.block_size,
+        engine.runner.attn_backend.name,
+        platform.small_rows if platform else 0,
+        platform.min_rows if platform else None,
+        engine.config.deterministic,
+    )
 
 
 def make_policy(config: EngineConfig) -> Policy:
@@ -60,4 +78,5 @@ def describe(engine: Engine) -> str:
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, thread governor "
         f"{'on' if engine.governor else 'off'}), speculative "
         f"{speculative.describe(engine.speculative)}, LoRA {lora}"
+        + (f", tensor parallel {config.tensor_parallel_size}" if engine.tp_driver else "")
     )

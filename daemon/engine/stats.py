@@ -18,6 +18,7 @@ def engine_stats(engine: Engine) -> EngineStats:
     queue_times = list(engine.queue_times)
     engine.queue_times.clear()
     return EngineStats(
+        failure=engine.fatal,
         running=len(sched.running),
         waiting=len(sched.waiting),
         kv_usage=kv.usage(),

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--quantization", default="auto", help="none, int8 or auto")
     gen.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split across (worker processes + this one)",
+    )
+    gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as is, without the chat template"
     )
     pd = sub.add_parser(
@@ -96,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> int:
     from daemon.engine.config import EngineConfig
     from daemon.engine.engine import Engine
-    from scheduling import SamplingParams
 
     engine = Engine(
         EngineConfig(
@@ -104,8 +109,18 @@ def run_generate(args: argparse.Namespace) -> int:
             threads=args.threads,
             dtype=args.dtype,
             quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.close()  # the tensor-parallel workers
+
+
+def _generate(engine, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from scheduling import SamplingParams
+
     prompt = args.prompt
     template = getattr(engine.tokenizer, "chat_template", None)
     if not args.raw and template:

@@ -12,6 +12,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from runner.model_config import ModelConfig
+from runner.parallel.sharding import Ranges, ShardPlan
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -112,8 +113,12 @@ class GGUFModel:
     def _tensor(self, name: str) -> torch.Tensor:
         return _dequantize(next(t for t in self.reader.tensors if t.name == name))
 
-    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named fp32 tensors, with llama.cpp's Q/K row permutation undone."""
+    def weights(
+        self, cfg: ModelConfig, shard: ShardPlan | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named fp32 tensors, with llama.cpp's Q/K row permutation undone. With `shard`
+        each tensor is dequantised alone and cut to this rank's slice before the next one:
+        a rank holds one whole fp32 tensor at a time, never the model."""
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue
@@ -122,7 +127,12 @@ class GGUFModel:
             if self.arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
                 w = unpermute_qk(w, heads)
-            yield name, w
+            where = shard.select(name) if shard is not None else None
+            yield name, (w if where is None else _cut(w, *where))
+
+
+def _cut(w: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:
+    return torch.cat([w.narrow(dim, a, b - a) for a, b in ranges], dim).contiguous()
 
 
 def _dequantize(t: ReaderTensor) -> torch.Tensor:

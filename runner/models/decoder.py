@@ -19,6 +19,9 @@ from runner.attention_backends import AttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_config import ModelConfig
 from runner.models.rope import RopeAt, RotaryEmbedding
+from runner.parallel.group import TensorParallel
+from runner.parallel.layers import VocabParallelEmbedding
+from runner.parallel.sharding import local_config
 
 
 class RMSNorm(nn.Module):
@@ -51,10 +54,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention with fused QKV and optional per-head QK norm (Qwen3)."""
+    """GQA self-attention with fused QKV and optional per-head QK norm (Qwen3). Under tensor
+    parallelism `cfg` is this rank's share (its heads) and o_proj's output is all-reduced."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.heads, self.kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -97,14 +102,17 @@ class Attention(nn.Module):
         # and a prefix block filled in this step is already readable by its other users.
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with one fused gate/up matmul."""
+    """SwiGLU feed-forward with one fused gate/up matmul; under tensor parallelism `cfg` is
+    this rank's share of the intermediate size and down_proj's output is all-reduced."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.inter = cfg.intermediate_size
         # NOTE: both MLP inputs carry outlier channels that per-token int8 crushes, so both
         # layers keep the float format under int8. Perplexity on 4096 tokens of English
@@ -122,18 +130,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(torch.ops.headrace.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(torch.ops.headrace.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -155,17 +165,30 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The whole model. Parameter names follow HF so checkpoints load by name."""
+    """The whole model. Parameter names follow HF so checkpoints load by name.
+
+    With `tp` it is one rank's shard (runner/parallel/sharding.py): `config` stays the whole
+    model's shape, `local_config` is this rank's (its heads, its share of the MLP)."""
 
     api_version = 1
+    # Built as a shard when given `tp` (third-party architectures say so to get TP).
+    supports_tensor_parallel = True
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int | None = None, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.config, self.tp = cfg, tp
+        local = cfg if tp is None else local_config(cfg, tp.rank, tp.world_size)
+        self.local_config = local
+        if tp is None:
+            self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(local, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.weight.shape[0]
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
@@ -201,8 +224,11 @@ class DecoderForCausalLM(nn.Module):
                 module.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample."""
-        return self.lm_head(hidden).float()
+        """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample. Under tensor
+        parallelism every rank computes its vocabulary rows and rank 0 gets them all (the
+        other ranks get None)."""
+        logits = self.lm_head(hidden).float()  # [N, V or V_local]
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
@@ -250,7 +276,7 @@ class DecoderForCausalLM(nn.Module):
         return targets
 
     def _shard_rows(self, target: str, shard: int) -> slice:
-        cfg = self.config
+        cfg = self.local_config
         if "qkv_proj" in target:
             sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         else:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharding rules, the process group, the step ring, the workers."""

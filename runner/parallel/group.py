@@ -1,0 +1,69 @@
+"""The tensor-parallel process group one rank belongs to, and its two collectives.
+
+Every rank calls the same collectives in the same order (the same forward on its shard);
+a rank that dies or hangs makes the others' collective fail within `timeout` seconds
+(gloo: at once when the peer's socket closes, else at the timeout), never a silent hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from runner.parallel.sharding import vocab_per_rank
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    """This rank's place in the group: what the model layers need to split and combine."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    # Seconds spent in collectives (waiting for the slowest rank included) and their count:
+    # benchmarks/tensor_parallel.py reads them per step.
+    comm_s: float = 0.0
+    comm_calls: int = 0
+
+    @classmethod
+    def init(
+        cls, rank: int, world_size: int, init_method: str, backend: str, timeout_s: float
+    ) -> TensorParallel:
+        """Join the group (blocks until every rank has joined)."""
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return cls(rank, world_size, dist.group.WORLD)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's `x` (the row-parallel layers' partial products), in place."""
+        start = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        self.comm_s += time.perf_counter() - start
+        self.comm_calls += 1
+        return x
+
+    def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """[N, V_local] logits of every rank -> [N, V] on rank 0 (None on the others)."""
+        per = vocab_per_rank(vocab, self.world_size)
+        if local.shape[-1] < per:  # the last rank's shard is short: pad to a common shape
+            local = torch.nn.functional.pad(local, (0, per - local.shape[-1]))
+        local = local.contiguous()
+        start = time.perf_counter()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)] if not self.rank else None
+        dist.gather(local, parts, dst=0, group=self.group)
+        self.comm_s += time.perf_counter() - start
+        self.comm_calls += 1
+        return None if parts is None else torch.cat(parts, dim=-1)[..., :vocab]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
