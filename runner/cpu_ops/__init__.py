@@ -8,6 +8,7 @@ torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bia
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
 torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
+torch.ops.headrace.lora_delta_(y, x, a, bt, rows, starts, slots, width)   (lora.cpp)
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -41,6 +42,7 @@ SOURCES = (
     "amx_linear.cpp",
     "amx_attention.cpp",
     "elementwise.cpp",
+    "lora.cpp",
 )
 HEADERS = ("vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
