@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
-
 from runner.lora.batch import LoRABatch
 from runner.lora.manager import ResidentAdapters
 from runner.lora.ops import add_lora, lora_reference
