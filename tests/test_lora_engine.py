@@ -52,6 +52,8 @@ def test_greedy_through_an_adapter_equals_peft_merged_model(served) -> None:
         (c,) = engine.generate(prompts[:1], GREEDY, loras=[name])
         assert c.token_ids == hf_greedy(oracles[name], prompts[0], 10), name
     assert hf_greedy(oracles["one"], prompts[0], 10) != hf_greedy(oracles[None], prompts[0], 10)
+    # On the CPU these steps ran the C++ kernel (tests/test_cpu_ops.py: it builds in CI).
+    assert served[1].model.lora_manager.cpu_kernel
 
 
 @pytest.mark.parametrize(

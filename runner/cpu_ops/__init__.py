@@ -9,6 +9,7 @@ torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile s
 torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
 torch.ops.headrace.paged_prefill_attention_vec_(...)   (the same without AMX: vec_attention.cpp)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
+torch.ops.headrace.lora_delta_(y, x, a, bt, rows, starts, slots, width)   (lora.cpp)
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -43,6 +44,7 @@ SOURCES = (
     "amx_attention.cpp",
     "elementwise.cpp",
     "vec_attention.cpp",
+    "lora.cpp",
 )
 HEADERS = ("vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")

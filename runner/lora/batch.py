@@ -12,7 +12,8 @@ segments  slot 1: rows 0 1 2 6     slot 0: rows 4 5 7
 The torch path runs short segments together: their rows padded to the longest, one
 batched product for A and one for B (a decode step of many adapters costs the same few
 ops as one); a long segment (a prompt chunk) runs alone instead of padding the others.
-The Triton path reads the rows sorted by segment and runs every segment in one launch.
+The Triton path reads the rows sorted by segment and runs every segment in one launch;
+the C++ CPU kernel (runner/cpu_ops/lora.cpp) reads them the same way, in place.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ class KernelSegments:
 
 
 @dataclass(slots=True)
+class CpuSegments:
+    """The C++ CPU kernel's view: rows sorted by segment, segment g at rows[starts[g]:
+    starts[g + 1]] (int64 CPU tensors, built once per step for every layer's call)."""
+
+    rows: torch.Tensor  # [N]
+    starts: torch.Tensor  # [G + 1]
+    slots: torch.Tensor  # [G]
+
+
+@dataclass(slots=True)
 class LoRABatch:
     """The step's segments, read by every adapted layer (runner/lora/layers.py)."""
 
@@ -58,6 +69,7 @@ class LoRABatch:
     rows: list[slice | torch.Tensor]
     padded: PaddedSegments | None = None
     kernel: KernelSegments | None = None
+    cpu: CpuSegments | None = None
 
     @classmethod
     def build(
@@ -67,6 +79,7 @@ class LoRABatch:
         device: torch.device,
         dtype: torch.dtype,
         use_kernel: bool = False,
+        cpu_kernel: bool = False,
     ) -> LoRABatch | None:
         """From each request's slot (-1: the base model) and its rows this step, in
         flattened order. None when no row runs an adapter."""
@@ -101,6 +114,15 @@ class LoRABatch:
                 _index(lens, device, torch.int32),
                 _index(slots, device, torch.int32),
                 max(lens),
+            )
+        elif cpu_kernel:
+            starts = [0]
+            for n in lens:
+                starts.append(starts[-1] + n)
+            batch.cpu = CpuSegments(
+                torch.tensor([r for rl in rows_lists for r in rl], dtype=torch.int64),
+                torch.tensor(starts, dtype=torch.int64),
+                torch.tensor(slots, dtype=torch.int64),
             )
         elif len(slots) > 1 and len(slots) * max(lens) <= (1 + PAD_WASTE) * sum(lens):
             batch.padded = _pad(slots, rows_lists, lens, device, dtype)

@@ -10,7 +10,9 @@ Each wrapper holds every resident slot's weights stacked, `A [S, W, in]` and `B 
 W]`, where W = max rank x the HF modules fused into this one (q, k and v share qkv_proj:
 their A rows stack, their B is block-diagonal). `width[slot]` is how many of the W columns
 the slot's adapter fills (0: it does not touch this module). With no adapter in the step
-the wrapper costs one attribute read.
+the wrapper costs one attribute read. For the C++ CPU kernel `B` is stored transposed,
+`[S, W, out]`, and `b` is its transposed view: the expand reads `out` contiguous values
+per rank column.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class LoRALinear(nn.Module):
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        transposed_b: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
@@ -56,7 +59,11 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         # Plain attributes, not buffers: the model's state dict stays the base's.
         self.a = torch.zeros(max_loras, width, self.in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(max_loras, self.out_features, width, device=device, dtype=dtype)
+        if transposed_b:
+            bt = torch.zeros(max_loras, width, self.out_features, device=device, dtype=dtype)
+            self.b = bt.transpose(1, 2)
+        else:
+            self.b = torch.zeros(max_loras, self.out_features, width, device=device, dtype=dtype)
         self.width = [0] * max_loras
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,9 +98,11 @@ def install_lora(
     max_rank: int,
     device: torch.device,
     dtype: torch.dtype,
+    transposed_b: bool = False,
 ) -> tuple[LoRAContext, list[LoRALinear]]:
     """Wrap every adaptable Linear of `model` in place; returns the shared context and the
-    wrappers. Call after the weights are loaded and packed (the wrapper reads `base`)."""
+    wrappers. Call after the weights are loaded and packed (the wrapper reads `base`).
+    `transposed_b`: store B as the C++ CPU kernel reads it."""
     context = LoRAContext()
     by_module: dict[str, list[tuple[str, slice]]] = {}
     for name, target in base.targets.items():
@@ -107,7 +116,9 @@ def install_lora(
             if isinstance(linear, LoRALinear):
                 raise RuntimeError(f"layer {i} {module}: LoRA is installed already")
             parts = sorted(parts, key=lambda p: p[1].start)
-            wrapper = LoRALinear(linear, i, parts, context, max_loras, max_rank, device, dtype)
+            wrapper = LoRALinear(
+                linear, i, parts, context, max_loras, max_rank, device, dtype, transposed_b
+            )
             setattr(parent, leaf, wrapper)
             wrappers.append(wrapper)
     return context, wrappers

@@ -71,9 +71,13 @@ class LoRAManager:
         self.base, self.max_rank = base, max_rank
         self.device, self.dtype = device, dtype
         self.table = ResidentAdapters(max_loras)
-        self.context, self.layers = install_lora(model, base, max_loras, max_rank, device, dtype)
-        # The fused Triton kernel on CUDA; torch's matmuls elsewhere.
+        # The fused Triton kernel on CUDA, the C++ kernel on a CPU where the CPU ops build;
+        # torch's matmuls elsewhere.
         self.use_kernel = device.type == "cuda" and _triton_available()
+        self.cpu_kernel = device.type == "cpu" and _cpu_kernel_available()
+        self.context, self.layers = install_lora(
+            model, base, max_loras, max_rank, device, dtype, transposed_b=self.cpu_kernel
+        )
 
     @classmethod
     def attach(
@@ -107,7 +111,7 @@ class LoRAManager:
         keep = {ad.lora_id for ad in adapters if ad is not None}
         slots = [-1 if ad is None else self._slot(ad, keep) for ad in adapters]
         self.context.batch = LoRABatch.build(
-            slots, num_tokens, self.device, self.dtype, self.use_kernel
+            slots, num_tokens, self.device, self.dtype, self.use_kernel, self.cpu_kernel
         )
         return self.context.batch is not None
 
@@ -122,6 +126,12 @@ class LoRAManager:
                 layer.load_slot(slot, adapter)
             log.info("LoRA adapter %s is resident in slot %d", adapter.lora_id, slot)
         return slot
+
+
+def _cpu_kernel_available() -> bool:
+    from runner.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() is None and hasattr(torch.ops.headrace, "lora_delta_")
 
 
 def _triton_available() -> bool:

@@ -1,7 +1,8 @@
 """The segmented LoRA delta: `y[rows] += x[rows] @ A[slot]^T @ B[slot]^T` per segment.
 
-The torch path (CPU, and the reference the Triton kernel is tested against) uses plain
-matmuls; the Triton path (runner/triton_ops/lora.py) runs all segments in one launch.
+The torch path (the CPU fallback, and the reference the kernels are tested against) uses
+plain matmuls; the Triton path (runner/triton_ops/lora.py) runs all segments in one launch,
+and so does the C++ CPU kernel (runner/cpu_ops/lora.cpp) where the CPU ops are built.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def add_lora(
     batch: LoRABatch,
 ) -> torch.Tensor:
     """Add each segment's delta to y [T, N] in place (and return it). x [T, K]; a [S, W, K]
-    and b [S, N, W] the stacked slots; width[s] the columns slot s fills."""
+    and b [S, N, W] the stacked slots; width[s] the columns slot s fills. The CPU kernel
+    needs b to be the transposed view of a contiguous [S, W, N] (LoRALinear's CPU layout)."""
     w = max(width[s] for s in batch.slots)
     if w == 0:  # no adapter of this step touches this module
         return y
@@ -29,6 +31,12 @@ def add_lora(
         from runner.triton_ops.lora import lora_segmented
 
         lora_segmented(y2, x2, a[:, :w], b[:, :, :w], batch.kernel)
+        return y
+    cpu = batch.cpu
+    if cpu is not None and _kernel_takes(y2, x2, a, b):
+        torch.ops.headrace.lora_delta_(
+            y2, x2, a, b.transpose(1, 2), cpu.rows, cpu.starts, cpu.slots, width
+        )
         return y
     padded = batch.padded
     if padded is not None:
@@ -49,6 +57,18 @@ def add_lora(
         else:
             y2.index_add_(0, rows, d)
     return y
+
+
+def _kernel_takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The C++ kernel's cases; anything else (an fp16 model, a base whose output dtype
+    differs) takes the per-segment torch loop."""
+    return (
+        y.dtype == x.dtype == a.dtype == b.dtype
+        and y.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(-1) == 1
+        and y.stride(-1) == 1
+        and b.transpose(1, 2).is_contiguous()
+    )
 
 
 def lora_reference(
