@@ -10,10 +10,13 @@ FairQueue --take--> slot thread i --(kind, text)--> worker process i (grammars/c
 NOTE: why processes. xgrammar compiles in C++ without a way to stop it; a thread pool keeps
 a worker busy for as long as any grammar takes (`[a-z]{1,20000}` is 14 bytes and takes tens
 of seconds), so compiles could be neither limited nor cancelled. A process can be killed. The
-price is the result's trip through JSON (measured, SmolLM2's 49k vocabulary: a small schema
-compiles in ~25 ms and adds ~20 ms; a 100 KB choice list 1.5 s + ~5 s; the request limits
-in grammars/limits.py keep the latter rare). A killed worker is replaced before its slot
-takes the next job (an import of xgrammar: about a second).
+price is the result's trip through JSON, which grows with the compiled grammar's size
+(measured, SmolLM2's 49k vocabulary: a 50 KB grammar adds ~2 ms, a 660 KB one with formats
+~130 ms, most of it in xgrammar's serialize_json; a 100 KB choice list 1.5 s + ~5 s; the
+request limits in grammars/limits.py keep the latter rare). Smaller grammars
+(grammars/schema/formats.py) are the lever: xgrammar 0.2.9 has no other serialisation.
+A killed worker is replaced before its slot takes the next job (an import of xgrammar:
+about a second).
 """
 
 from __future__ import annotations

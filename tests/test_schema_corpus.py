@@ -13,6 +13,7 @@ import random
 import pytest
 
 from grammars import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
+from grammars.schema.validation import output_errors
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 from tests.schema_corpus import CASES
@@ -84,3 +85,12 @@ def test_random_walks_end_in_valid_outputs(compiler, tokenizer):
             finished += 1
             assert validate(json.loads(text), case.schema), (case.name, text)
     assert finished >= len(ENFORCED)  # most walks end: the check above ran on them
+
+
+def test_output_check_reads_formats_in_the_schemas_draft():
+    """The safety net's `time` is RFC 3339's (offset required), not draft 3's HH:MM:SS."""
+    schema = {"type": "string", "format": "time"}
+    assert output_errors(schema, "23:51:16.16Z") == []
+    assert output_errors(schema, "07:00:55+22:37") == []
+    assert output_errors(schema, "07:00:55") != []
+    assert output_errors(schema, "25:00:00Z") != []

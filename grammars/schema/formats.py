@@ -27,7 +27,9 @@ _IPV4 = f"({_OCTET}\\.){{3}}{_OCTET}"
 # NOTE: the 63-character label limit is not in the pattern: a bounded repetition costs
 # xgrammar 0.2.9 seconds of compile (6 s for {0,61}). The output check
 # (grammars/schema/validation.py) enforces it instead: a longer label is an error, not a 200.
-_LABEL = "[A-Za-z0-9](-*[A-Za-z0-9])*"
+# Written so that each position has one reading (`[A-Za-z0-9](-*[A-Za-z0-9])*` is the same
+# language and compiles about 5x slower in xgrammar 0.2.9).
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9]|)"
 _HOSTNAME = f"{_LABEL}(\\.{_LABEL}){{0,2}}"
 _HEX4 = "[0-9a-fA-F]{1,4}"
 _B64 = "[A-Za-z0-9+/]"
@@ -77,9 +79,12 @@ FORMAT_PATTERNS: dict[str, str] = {
     # Dot-atom local part (RFC 5321 without quoted strings) at a host name.
     "email": f"^[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~-]+)*"
     f"@{_HOSTNAME}$",
-    # An absolute URI with an authority: scheme://host[:port][/path][?query][#fragment].
-    "uri": f"^[A-Za-z][A-Za-z0-9+.-]*://({_HOSTNAME}|{_IPV4})(:[0-9]{{1,5}})?"
-    f"(/{_PCHAR}*)*(\\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?$",
+    # An absolute URI with an authority: scheme://host[:port][/path][?query][#fragment]. The
+    # host is a host name (no IP literal: a narrowing); `(/pchar*)*` is written as one loop.
+    # NOTE: both rewrites cut the compile (and the compiled grammar's size, which its JSON
+    # trip from the compile worker pays again) by more than half.
+    "uri": f"^[A-Za-z][A-Za-z0-9+.-]*://{_HOSTNAME}(:[0-9]{{1,5}})?"
+    f"(/({_PCHAR}|/)*)?(\\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?$",
     # Canonical base64 (RFC 4648): padding bits zero, so each string decodes one way.
     "byte": f"^({_B64}{{4}})*({_B64}[AQgw]==|{_B64}{{2}}[AEIMQUYcgkosw048]=)?$",
 }

@@ -68,6 +68,8 @@ COMBINATOR_CASES: list[dict[str, Any]] = [
          "not": {"const": 3}}, valid=[2, 4], invalid=[3]),
     dict(name="not-enum-string", schema={"type": "string", "not": {"enum": ["a", "ab"]}},
          valid=["b", "abc", ""], invalid=["a", "ab"]),
+    dict(name="not-enum-trie", schema={"type": "string", "not": {"enum": ["root", "admin", "ad"]}},
+         valid=["adm", "a", "", "roots", "x", "rot"], invalid=["root", "admin", "ad"]),
     dict(name="not-enum-bool", schema={"type": "boolean", "not": {"const": True}},
          valid=[False], invalid=[True]),
     dict(name="not-complex", schema={"not": {"minimum": 3}}, refused="not"),
