@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 
 import xgrammar as xgr
 
+from grammars.compile_pool import release_freed_memory
 from grammars.schema.regex import regex_dot
 from grammars.spec import GrammarError, GrammarSpec, clean_compiler_message
 
@@ -94,7 +95,11 @@ def serve(conn: Connection) -> None:
             return
         try:
             compiled = compile_spec(compiler, GrammarSpec(kind, text))
-            conn.send(("ok", compiled.serialize_json()))
+            answer = compiled.serialize_json()
+            del compiled
+            conn.send(("ok", answer))
+            del answer
+            release_freed_memory()
         except GrammarError as e:
             conn.send(("error", str(e)))
         except Exception as e:  # anything else is still this grammar's fault, not the pool's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,6 +30,7 @@ from daemon.openai.lora import LoRAEndpoints
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
 from daemon.openai.overload import CapacityEstimate
+from daemon.openai.peer_eof import ends_at_eof
 from daemon.openai.protocol import (
     UNTIL_CONTEXT_ENDS,
     APIError,
@@ -201,46 +203,49 @@ class APIServer:
         spec = constraint.spec if constraint else None
         choices = self._add(req, prompts, tenant, spec, lora, client)
         headers = _warning_headers(constraint)
-        try:
-            firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
-            for choice, first in zip(choices, firsts):
-                choice.add(first)
-                if first.bad_request is not None:
-                    param = constraint.param if constraint else None
-                    raise APIError(400, f"{param}: {first.bad_request}", param)
-                if first.finish_reason == "rejected":
-                    self.metrics.tenants.rejected(tenant, "policy")
-                    raise APIError(
-                        503,
-                        f"rejected: {first.stop_reason}",
-                        kind="unavailable",
-                        headers={"Retry-After": RETRY_AFTER_S},
+        # A non-streamed answer writes nothing until its end: EOF from the client ends it.
+        with ends_at_eof(request, applies=not req.stream):
+            try:
+                firsts = await asyncio.gather(*(anext(c.stream) for c in choices))
+                for choice, first in zip(choices, firsts):
+                    choice.add(first)
+                    if first.bad_request is not None:
+                        param = constraint.param if constraint else None
+                        raise APIError(400, f"{param}: {first.bad_request}", param)
+                    if first.finish_reason == "rejected":
+                        self.metrics.tenants.rejected(tenant, "policy")
+                        raise APIError(
+                            503,
+                            f"rejected: {first.stop_reason}",
+                            kind="unavailable",
+                            headers={"Retry-After": RETRY_AFTER_S},
+                        )
+                    if first.finished and first.finish_reason not in OPENAI_FINISH_REASONS:
+                        # Nothing sent yet: a plain 500 beats a stream that opens with an error.
+                        raise failure(first.stop_reason)
+                check = self._output_check(constraint)
+                if req.stream:
+                    return await self._stream(
+                        request, req, choices, firsts, chat, tools, headers, check
                     )
-                if first.finished and first.finish_reason not in OPENAI_FINISH_REASONS:
-                    # Nothing sent yet: a plain 500 beats a stream that opens with an error.
-                    raise failure(first.stop_reason)
-            check = self._output_check(constraint)
-            if req.stream:
-                return await self._stream(
-                    request, req, choices, firsts, chat, tools, headers, check
-                )
-            async for choice, delta in merged(choices, []):
-                choice.add(delta)
-            failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
-            if failed:
-                raise failure(failed[0].stop_reason)
-            for choice in choices if check is not None else []:
-                if (problem := check(choice)) is not None:
-                    raise APIError(500, problem, kind="server_error")
-            out = self.responses.full_body(req, choices, chat)
-            if tools is not None:
-                for item in out["choices"]:
-                    rewrite_message(item, tools, self._tools_parser())
-            return json_response(out, headers=headers)
-        finally:
-            for choice in choices:
-                choice.stream.close()
-                self._observe(choice)
+                async with contextlib.aclosing(merged(choices, [])) as deltas:
+                    async for choice, delta in deltas:
+                        choice.add(delta)
+                failed = [c for c in choices if c.finish_reason not in OPENAI_FINISH_REASONS]
+                if failed:
+                    raise failure(failed[0].stop_reason)
+                for choice in choices if check is not None else []:
+                    if (problem := check(choice)) is not None:
+                        raise APIError(500, problem, kind="server_error")
+                out = self.responses.full_body(req, choices, chat)
+                if tools is not None:
+                    for item in out["choices"]:
+                        rewrite_message(item, tools, self._tools_parser())
+                return json_response(out, headers=headers)
+            finally:
+                for choice in choices:
+                    choice.stream.close()
+                    self._observe(choice)
 
     def _tools_parser(self) -> ToolParser:
         """The configured parser, or the generic JSON one when the template has no tools."""
@@ -380,9 +385,8 @@ class APIServer:
         )
         await resp.prepare(request)
         timeout = self.options.stream_timeout
-        events = self.responses.events(req, choices, firsts, chat, check)
-        if tools is not None:
-            events = stream_tool_calls(events, tools, self._tools_parser())
+        base = self.responses.events(req, choices, firsts, chat, check)
+        events = base if tools is None else stream_tool_calls(base, tools, self._tools_parser())
         try:
             async for payload in events:
                 # A client that stops reading blocks this write once the socket buffer is
@@ -397,6 +401,12 @@ class APIServer:
         except TimeoutError:
             rid = choices[0].stream.request_id if choices else "-"
             log.warning("stream %s: client took no data for %.0fs; ending it", rid, timeout)
+        finally:
+            # Closed here, not whenever the collector finds them: merged()'s pump tasks
+            # end with them, while this task still holds them (a client that left, or a
+            # timeout, leaves the generators suspended at a yield).
+            await events.aclose()
+            await base.aclose()
         return resp
 
     def _observe(self, c: Choice) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -97,37 +98,38 @@ class ResponseBuilder:
                     for c in choices
                 ]
             )
-        async for choice, delta in merged(choices, firsts):
-            if delta is not firsts[choices.index(choice)]:
-                choice.add(delta)
-            if delta.finished and delta.finish_reason not in OPENAI_FINISH_REASONS:
-                # The request failed (or was ended by the server): an error event, which the
-                # caller follows with [DONE]; the openai client raises on it.
-                error = failure(delta.stop_reason)
-                yield stream_error(error.message, error.status, error.kind)
-                return
-            problem = check(choice) if check is not None and delta.finished else None
-            if problem is not None:
-                yield stream_error(problem)
-                return
-            if not delta.text and not delta.finished and not delta.new_logprobs:
-                continue
-            logprobs = None
-            if req.logprobs is not None and delta.new_logprobs:
-                entries = [
-                    (t, lp[0], lp[1]) for t, lp in zip(delta.new_token_ids, delta.new_logprobs)
-                ]
-                logprobs = self.logprobs(entries, chat)
-            item: dict[str, Any] = {
-                "index": choice.index,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
-            if chat:
-                item["delta"] = {"content": delta.text} if delta.text else {}
-            else:
-                item["text"] = delta.text
-            yield chunk([item])
+        async with contextlib.aclosing(merged(choices, firsts)) as deltas:
+            async for choice, delta in deltas:
+                if delta is not firsts[choices.index(choice)]:
+                    choice.add(delta)
+                if delta.finished and delta.finish_reason not in OPENAI_FINISH_REASONS:
+                    # The request failed (or was ended by the server): an error event, which the
+                    # caller follows with [DONE]; the openai client raises on it.
+                    error = failure(delta.stop_reason)
+                    yield stream_error(error.message, error.status, error.kind)
+                    return
+                problem = check(choice) if check is not None and delta.finished else None
+                if problem is not None:
+                    yield stream_error(problem)
+                    return
+                if not delta.text and not delta.finished and not delta.new_logprobs:
+                    continue
+                logprobs = None
+                if req.logprobs is not None and delta.new_logprobs:
+                    entries = [
+                        (t, lp[0], lp[1]) for t, lp in zip(delta.new_token_ids, delta.new_logprobs)
+                    ]
+                    logprobs = self.logprobs(entries, chat)
+                item: dict[str, Any] = {
+                    "index": choice.index,
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason,
+                }
+                if chat:
+                    item["delta"] = {"content": delta.text} if delta.text else {}
+                else:
+                    item["text"] = delta.text
+                yield chunk([item])
         if req.include_usage:
             yield chunk([], usage=self.usage(choices))
 

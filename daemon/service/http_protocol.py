@@ -1,5 +1,5 @@
-"""aiohttp's connection handling with our limits: a connection cap, and JSON protocol
-errors that never echo (or log) a header.
+"""aiohttp's connection handling with our limits: a connection cap, JSON protocol errors
+that never echo (or log) a header, and a client's EOF handed to the request it ends.
 
 - Idle and slow connections: aiohttp's keep-alive timer (`keepalive_timeout`) starts when
   a connection opens and closes it while no complete request has arrived, so it bounds a
@@ -10,16 +10,19 @@ errors that never echo (or log) a header.
   runs; aiohttp answers them text/plain and logs the exception, whose text holds the
   offending bytes (`Authorization: Bearer secret\\x00`). Here: the JSON error shape, and a
   log line with the status and the error's class only.
-- NOTE: EOF from the client still ends its request (aiohttp's default): a half-close
-  (shutdown(SHUT_WR)) and a client that gave up and closed both arrive as one FIN, and a
-  non-streamed answer writes nothing until its end that could tell them apart, so keeping
-  half-closed clients would let every client that leaves hold its KV blocks to the end.
+- EOF from the client (a FIN) after whole requests keeps the connection open for writing
+  and sets `peer_eof`; the request decides (daemon/openai/peer_eof.py): a streamed answer
+  goes on (a half-closed client gets all of it), a non-streamed generation ends, as at
+  aiohttp's default close. A FIN in the middle of a request, or on an idle connection,
+  closes it at once as before. Nothing is read after a FIN, so the connection closes once
+  the requests it carried are answered.
 
 Tested on aiohttp 3.14 (the private hooks used: Server.__call__, AppRunner._make_server).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -37,11 +40,29 @@ log = logging.getLogger("headrace.http")
 class GuardedRequestHandler(RequestHandler):
     """One connection; see the module docstring."""
 
+    # Done when the client has sent EOF after whole requests (daemon/openai/peer_eof.py).
+    peer_eof: asyncio.Future[None]
+
     def connection_made(self, transport: Any) -> None:
         server = self._manager
         if isinstance(server, GuardedServer) and server.full():
             self._request_handler = _over_capacity
+        self.peer_eof = self._loop.create_future()
         super().connection_made(transport)
+
+    def eof_received(self) -> bool:
+        self.close()  # nothing can follow a FIN: end after the requests already here
+        current = self._current_request
+        bodies = [payload for _, payload in self._messages]
+        bodies += [current.content] if current is not None else []
+        # start() is not waiting for a message: it has taken one (its task may not run yet).
+        taken = self._waiter is None and self._request_count > 0
+        answering = self._request_in_progress or taken or bool(self._messages)
+        if not answering or not all(body.is_eof() for body in bodies):
+            return False  # idle, or a request cut short: the transport closes itself
+        if not self.peer_eof.done():
+            self.peer_eof.set_result(None)
+        return True  # keep the write side open: the requests decide
 
     def handle_error(
         self,
