@@ -7,6 +7,8 @@ and what ranks above it.
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import FakeClock, make_request, make_scheduler, step
 from kvcache import KVCacheManager
 from scheduling import Scheduler, SchedulerConfig
@@ -138,3 +140,16 @@ def test_urgent_wait_zero_turns_the_cap_off() -> None:
     sched.add_request(urgent)
     step(sched)
     assert step(sched).total_num_scheduled_tokens == 17
+
+
+def test_urgent_wait_reaches_the_priority_policy_only() -> None:
+    from daemon.engine.config import EngineConfig
+    from daemon.engine.setup import make_policy
+
+    policy = make_policy(EngineConfig(policy="priority", urgent_wait=0.5))
+    assert isinstance(policy, PriorityPolicy) and policy.urgent_wait == 0.5
+    assert make_policy(EngineConfig(policy="priority")).urgent_wait == 0.3  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="urgent_wait: only the priority policy"):
+        make_policy(EngineConfig(policy="fcfs", urgent_wait=0.5))
+    with pytest.raises(ValueError, match="urgent_wait: must be >= 0"):
+        make_policy(EngineConfig(policy="priority", urgent_wait=-1))

@@ -67,6 +67,11 @@ class EngineConfig:
     tenant_weights: str | None = opt(
         None, "fair: each tenant's share, TENANT=WEIGHT,... (e.g. a=2,b=1; others weigh 1)"
     )
+    urgent_wait: float | None = opt(
+        None,
+        "priority: while urgent requests are about, a step of less urgent work costs at most "
+        "this x a predicted urgent prefill (default 0.3; 0 turns the cap off)",
+    )
     speculative_method: str = opt(
         "none",
         "speculative decoding proposer: none, ngram (prompt lookup), or a plugin name in "

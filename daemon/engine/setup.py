@@ -53,7 +53,12 @@ def tp_cache_spec(engine: Engine, num_blocks: int, loaded: LoadedModel) -> Cache
 
 
 def make_policy(config: EngineConfig) -> Policy:
-    """The configured policy; `--tenant-weights` go to `fair`, the one policy that has them."""
+    """The configured policy; `--tenant-weights` go to `fair`, `--urgent-wait` to
+    `priority`, the policies that have them."""
+    if config.urgent_wait is not None:
+        if config.policy != "priority":
+            raise ValueError(f"urgent_wait: only the priority policy has it, not {config.policy!r}")
+        return load_policy("priority", urgent_wait=config.urgent_wait)
     if not config.tenant_weights:
         return load_policy(config.policy)
     if config.policy != "fair":
