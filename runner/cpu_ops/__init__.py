@@ -8,6 +8,8 @@ torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bia
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
 torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
+torch.ops.headrace.batched_int8_pack(q) / batched_int8_linear(x, packed, scale, colsum, bias,
+    n, kernel) / batched_int8_kernels()   (8-64 rows without AMX: "dot" or "widen")
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -41,6 +43,7 @@ SOURCES = (
     "amx_linear.cpp",
     "amx_attention.cpp",
     "elementwise.cpp",
+    "batched_int8.cpp",
 )
 HEADERS = ("vec.h", "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
