@@ -97,7 +97,9 @@ def batched_sweeps(
     for rows in row_counts:
         x = {k: torch.randn(rows, k).bfloat16() for k in {m.in_features for m in layers}}
 
-        def sweep(small: int, batched: int, kernel: str) -> Callable[[], None]:
+        def sweep(
+            small: int, batched: int, kernel: str, x: dict[int, torch.Tensor] = x
+        ) -> Callable[[], None]:
             def run() -> None:
                 for m in layers:
                     m.small_rows, m.batched_rows = small, batched

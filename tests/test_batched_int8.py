@@ -57,7 +57,6 @@ def reference(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernels_match_the_dequantised_matmul(dtype):
-    op = torch.ops.headrace.batched_int8_linear
     torch.manual_seed(0)
     # Channels and inputs off the 16/64-channel blocks and the 4-input groups, and a
     # SmolLM2 shape.
