@@ -3,10 +3,11 @@
 Every linear of the loaded model holds a `BatchedInt8` copy (runner/layers/batched_int8.py);
 this times, over all of the model's linears in turn (so the weights stream from memory as in
 a real step), at each candidate row count: the layer's own format, the small-batch copy
-where it serves that many rows, and each kernel this build has. The kernel with the least
-total time is kept; `batched_rows` is the end of the first unbroken run of row counts at
-which it beats the path that would run otherwise (the own format by `margin`, the small copy
-outright). Where that run starts inside `small_rows`, the small copy gives those rows up.
+where it serves that many rows, and each of `AUTO_KERNELS` (the kernels within the quality
+target) this build has. The kernel with the least total time is kept; `batched_rows` is the
+end of the first unbroken run of row counts at which it beats the path that would run
+otherwise (the own format by `margin`, the small copy outright). Where that run starts
+inside `small_rows`, the small copy gives those rows up.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.layers.batched_int8 import BATCHED_KERNELS, batched_kernel_for, batched_kernels
+from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernel_for, batched_kernels
 from runner.layers.linear import Linear
 from runner.platform import best_of_interleaved
 
@@ -89,12 +90,13 @@ def measure_batched_rows(
     candidates: Sequence[int] = (8, 16, 32, 64),
     reps: int = 3,
     margin: float = 0.9,
+    candidates_kernels: Sequence[str] = AUTO_KERNELS,
 ) -> BatchedChoice:
     """Choose and set the kernel, `batched_rows` and (maybe lowered) `small_rows` on every
     layer with a batched copy; drop the copies where no kernel wins."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.batched_int8 is not None]
     small_rows = max((m.small_rows for m in layers if m.has_small_batch_int8), default=0)
-    kernels = [k for k in BATCHED_KERNELS if k in batched_kernels()]
+    kernels = [k for k in candidates_kernels if k in batched_kernels()]
     times: dict[int, dict[str, float]] = {}
     if layers and kernels:
         with torch.inference_mode():

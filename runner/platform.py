@@ -22,8 +22,8 @@ machine's figures):
   up to which a sweep over the loaded model's own linears (all of them, so the weights stream
   from memory as in a real step) is 10% faster with the copies at every step; 0 drops them.
 - batched int8 (the same conditions, no AMX): every linear also keeps a copy for the batched
-  kernel ("dot" int8 products or "widen" bf16/fp32); runner/batched_rows.py measures which
-  kernel wins here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
+  kernel (runner/layers/batched_int8.py); runner/batched_rows.py measures which kernel wins
+  here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
 """
 
 from __future__ import annotations
@@ -288,9 +288,9 @@ def select_platform(
             amx = chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable()
             small_layout = "amx" if amx else "rows"
             if not amx:
-                from runner.layers.batched_int8 import BATCHED_KERNELS, batched_kernels
+                from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
 
-                batched = next((k for k in BATCHED_KERNELS if k in batched_kernels()), None)
+                batched = next((k for k in AUTO_KERNELS if k in batched_kernels()), None)
     return Platform(
         device,
         chosen,

@@ -156,8 +156,11 @@ def test_choice_keeps_the_first_unbroken_run_of_wins():
 def test_measurement_sets_the_layers_or_drops_the_copies():
     model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
     pack_linears(model, "float", batched_int8="dot")
-    choice = measure_batched_rows(model, torch.float32, candidates=(8, 16), reps=1)
+    choice = measure_batched_rows(
+        model, torch.float32, candidates=(8, 16), reps=1, candidates_kernels=("dot", "widen")
+    )
     assert choice.kernel in (None, "dot", "widen") and choice.batched_rows in (0, 8, 16)
+    assert all(set(t) == {"own", "dot", "widen"} for t in choice.times.values())
     assert sorted(choice.times) in ([8], [8, 16])
     assert all(m.batched_rows == choice.batched_rows for m in model)
     # A margin nothing can meet: the copies are dropped, not kept unused.
