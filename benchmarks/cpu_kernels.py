@@ -1,6 +1,6 @@
 """The C++ CPU kernels (runner/cpu_ops/) against what they replace, same process.
 
-    python benchmarks/cpu_kernels.py [--threads N]
+    python benchmarks/cpu_kernels.py [--threads N] [--rows 1 8 16 32 64] [--rounds 4]
 
 1. Decode attention over the paged cache: the kernel (reads blocks in place) against the
    torch reference (gathers each request's blocks, then SDPA), SmolLM2 heads (9 / 3 x 64),
@@ -8,7 +8,12 @@
 2. Weight-only int8 linears against oneDNN bf16 on prepacked weights, summed over all of the
    embedded model's linears in turn (weights stream from memory as in a real step): the
    "rows" GEMV at 1-16 rows and, where the CPU has AMX, the "amx" tile kernel at 1-64 rows.
-3. Fused elementwise ops against the eager formulas they replace, bf16, 32 rows.
+3. Batched int8 linears without AMX (runner/cpu_ops/batched_int8.cpp), same sweep, per
+   `--rows`: each kernel of this build ("dot" int8 products, "widen" bf16/fp32) against
+   oneDNN bf16 and the "rows" int8 GEMV, with the GB/s of weights each streams (int8: 1 byte
+   a weight, bf16: 2). Target (issue 26): at 32 rows the chosen kernel reads half the bytes,
+   so it should approach 2x oneDNN bf16 where the step is bound by memory.
+4. Fused elementwise ops against the eager formulas they replace, bf16, 32 rows.
 
 Each figure is the best of several rounds (a busy neighbour only adds time).
 """
@@ -27,7 +32,8 @@ from daemon.engine.config import EngineConfig
 from daemon.engine.loaded_model import LoadedModel
 from runner import attention
 from runner.cpu_ops import load_cpu_ops
-from runner.layers.linear import Linear, SmallBatchInt8
+from runner.layers.batched_int8 import BatchedInt8, batched_kernels
+from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8
 from runner.models.decoder import RMSNorm
 from runner.models.rope import RopeAt
 
@@ -75,6 +81,54 @@ def linear_sweep(layers: list[Linear], rows: int) -> tuple[float, float]:
     return times[0], times[rows]
 
 
+def batched_sweeps(
+    layers: list[Linear], row_counts: list[int], rounds: int
+) -> tuple[list[str], list[str]]:
+    """Lines to print and RESULT fields: ms per sweep and weight GB/s of every path."""
+    kernels = sorted(batched_kernels())
+    weights = sum(m.in_features * m.out_features for m in layers)
+    for m in layers:
+        w = torch.randn(m.out_features, m.in_features) * 0.05
+        q, scale = Int8Weight.quantize_rows(w)
+        m.set_small_batch_int8(SmallBatchInt8.from_weight(w, "rows"))
+        m.set_batched_int8(BatchedInt8.from_rows(q, scale, kernels[0]))
+    lines, fields = [f"batched int8 kernels here: {batched_kernels()}"], []
+    lines.append("all linears in turn, ms per sweep (weight GB/s): onednn bf16 | rows | kernels")
+    for rows in row_counts:
+        x = {k: torch.randn(rows, k).bfloat16() for k in {m.in_features for m in layers}}
+
+        def sweep(
+            small: int, batched: int, kernel: str, x: dict[int, torch.Tensor] = x
+        ) -> Callable[[], None]:
+            def run() -> None:
+                for m in layers:
+                    m.small_rows, m.batched_rows = small, batched
+                    m.batched_int8.kernel = kernel  # type: ignore[union-attr]
+                    m(x[m.in_features])
+
+            return run
+
+        paths = {"onednn": (sweep(0, 0, kernels[0]), 2), "rows": (sweep(rows, 0, kernels[0]), 1)}
+        paths |= {k: (sweep(0, rows, k), 1) for k in kernels}
+        ms = {name: best_ms(fn, reps=2, rounds=rounds) for name, (fn, _) in paths.items()}
+        gbs = {name: weights * per / (ms[name] * 1e6) for name, (_, per) in paths.items()}
+        best = min(kernels, key=ms.get)
+        lines.append(
+            f"  {rows:2d} rows: "
+            + " | ".join(f"{n} {ms[n]:.2f} ({gbs[n]:.1f})" for n in paths)
+            + f"  -> {best} {ms['onednn'] / ms[best]:.2f}x onednn, "
+            f"{ms['rows'] / ms[best]:.2f}x rows"
+        )
+        fields.append(f"batched_r{rows}_vs_onednn={ms['onednn'] / ms[best]:.2f}")
+        fields.append(f"batched_r{rows}_vs_rows={ms['rows'] / ms[best]:.2f}")
+        fields.append(f"batched_r{rows}_kernel={best}")
+        fields += [f"{n}_r{rows}_gbs={gbs[n]:.1f}" for n in paths]
+    for m in layers:
+        m.set_small_batch_int8(None)
+        m.set_batched_int8(None)
+    return lines, fields
+
+
 def elementwise() -> dict[str, tuple[float, float]]:
     torch.manual_seed(0)
     rows, hidden, inter, dim = 32, 576, 1536, 64
@@ -101,6 +155,9 @@ def elementwise() -> dict[str, tuple[float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64],
+                    help="row counts of the batched int8 section")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=4, help="best of this many (batched section)")
     args = ap.parse_args()
     print(cpu_description())
     if args.threads:
@@ -133,6 +190,10 @@ def main() -> None:
                 ref, fast = linear_sweep(layers, rows)
                 print(f"  {rows:2d} rows: {ref:.2f} vs {fast:.2f} ({ref / fast:.2f}x)")
                 fields.append(f"{layout}_r{rows}={ref / fast:.2f}")
+        if batched_kernels():
+            lines, batched_fields = batched_sweeps(layers, args.rows, args.rounds)
+            print("\n".join(lines))
+            fields = batched_fields + fields
         print("fused elementwise ops, bf16, 32 rows: eager vs fused (ms)")
         for name, (ref, fast) in elementwise().items():
             print(f"  {name:14s} {ref:.4f} vs {fast:.4f} ({ref / fast:.2f}x)")

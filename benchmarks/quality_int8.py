@@ -3,10 +3,11 @@
     python benchmarks/quality_int8.py [--variants fp32 bf16 int8 bf16+int8 auto]
                                       [--ppl-tokens 4096]
 
-`auto` is what `headrace serve` picks on this CPU; where that includes the small-batch int8
-weights (runner/platform.py), its prompts run one batch of at most `small_rows` requests at a
-time and its perplexity is scored `small_rows` tokens per forward, so that every token goes
-through the small-batch path.
+`auto` is what `headrace serve` picks on this CPU; where that includes the small-batch or
+batched int8 weights (runner/platform.py), its prompts run one batch of at most `small_rows`
+(or `batched_rows`, the larger) requests at a time and its perplexity is scored that many
+tokens per forward, so that every token goes through the int8 copies (the batched ones where
+they are kept).
 
 1. Greedy agreement: the first 64 tokens for each chat prompt in
    benchmarks/data/chat_prompts.txt (55 prompts, chat template applied), compared with fp32:
@@ -105,7 +106,9 @@ def main() -> None:
             kv_cache_memory=256 << 20, max_num_seqs=64,
         )  # fmt: skip
         loaded = LoadedModel.load(config)
-        rows = loaded.platform.small_rows if loaded.platform else 0
+        rows = (
+            max(loaded.platform.small_rows, loaded.platform.batched_rows) if loaded.platform else 0
+        )
         if rows:
             config.max_num_seqs = rows
         engine = Engine(config, loaded)

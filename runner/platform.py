@@ -21,6 +21,9 @@ machine's figures):
   bf16, as int8 rows for the GEMV elsewhere. `small_rows` is the largest of 1, 2, 4, ..., 64
   up to which a sweep over the loaded model's own linears (all of them, so the weights stream
   from memory as in a real step) is 10% faster with the copies at every step; 0 drops them.
+- batched int8 (the same conditions, no AMX): every linear also keeps a copy for the batched
+  kernel (runner/layers/batched_int8.py); runner/batched_rows.py measures which kernel wins
+  here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
 """
 
 from __future__ import annotations
@@ -139,6 +142,10 @@ class Platform:
     # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
     small_batch_int8: str | None = None
     small_rows: int = 0
+    # The batched int8 kernel to pack for (None: none); `prepare` measures the kernel and
+    # `batched_rows` (runner/batched_rows.py).
+    batched_int8: str | None = None
+    batched_rows: int = 0
     features: CpuFeatures | None = None
     # --deterministic: no small-batch copies, linear calls padded to `min_rows` (measured).
     deterministic: bool = False
@@ -159,6 +166,7 @@ class Platform:
             self.int8_reduce_range,
             self.float_format,
             self.small_batch_int8,
+            self.batched_int8,
         )
         log.info("linear layers by format: %s", counts)
         if self.deterministic:
@@ -180,6 +188,13 @@ class Platform:
                 if self.small_rows
                 else "small-batch int8 weights: not faster here, dropped"
             )
+        if self.batched_int8:
+            from runner.batched_rows import measure_batched_rows
+
+            choice = measure_batched_rows(model, self.dtype)
+            self.batched_int8, self.batched_rows = choice.kernel, choice.batched_rows
+            self.small_rows = choice.small_rows
+            self.reasons.append(choice.describe())
 
     def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
         """Convert a tensor-parallel worker's shard as rank 0 did, with rank 0's measured
@@ -284,7 +299,7 @@ def select_platform(
         and fmt != "int8"
         and chosen in (torch.float32, torch.bfloat16)
     )
-    small_layout = None
+    small_layout = batched = None
     if small:
         from runner.cpu_ops import load_cpu_ops
 
@@ -292,6 +307,10 @@ def select_platform(
             # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
             amx = chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable()
             small_layout = "amx" if amx else "rows"
+            if not amx:
+                from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
+
+                batched = next((k for k in AUTO_KERNELS if k in batched_kernels()), None)
     return Platform(
         device,
         chosen,
@@ -300,6 +319,7 @@ def select_platform(
         float_format=float_format,
         int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
         small_batch_int8=small_layout,
+        batched_int8=batched,
         features=feats,
         deterministic=deterministic,
         reasons=reasons,

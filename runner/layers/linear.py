@@ -16,6 +16,8 @@ reads every weight once, so half the bytes is nearly half the time; activations 
 The copy is laid out for one of two C++ kernels (runner/cpu_ops): "rows" (int8 rows, an
 AVX-512/AVX2 GEMV for a handful of rows) or "amx" (16 x 32 tiles widened to bf16 for AMX's
 tile multiply, for bf16 activations and up to a few dozen rows).
+Without AMX a layer may also keep a `BatchedInt8` copy (runner/layers/batched_int8.py) for
+calls of more than `small_rows` and at most `batched_rows` rows (a decode step of 8-64).
 
 The model code only builds `Linear`s; `pack_linears(model, fmt)` converts them all after the
 weights are loaded, so the model definitions stay the same whatever the format.
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runner.layers.batched_int8 import BatchedInt8, batched_kernel_for
 
 FORMATS = ("float", "onednn", "int8")
 INT8_KERNELS = ("fbgemm", "int_mm")
@@ -167,6 +171,9 @@ class Linear(nn.Linear):
         # Weight-only int8 copy used for calls of <= small_rows rows.
         self._small: SmallBatchInt8 | None = None
         self.small_rows = 0
+        # Batched int8 copy used for calls of small_rows < rows <= batched_rows.
+        self._batched: BatchedInt8 | None = None
+        self.batched_rows = 0
         # --deterministic: calls of fewer rows are padded to this many (runner/batch_invariance)
         self.min_rows = 0
 
@@ -177,12 +184,14 @@ class Linear(nn.Linear):
         reduce_range: bool = False,
         float_format: str = "float",
         small_batch_int8: str | None = None,
+        batched_int8: str | None = None,
     ) -> None:
         """Convert the weight to `fmt`; the float weight is dropped from this module.
 
         A layer built with `int8_inputs=False` takes `float_format` when asked for int8.
         `small_batch_int8` (a layout, see `SmallBatchInt8`) also keeps a weight-only int8
-        copy, unused until `small_rows` > 0.
+        copy, unused until `small_rows` > 0; `batched_int8` (a kernel, see `BatchedInt8`) a
+        batched int8 copy, unused until `batched_rows` > 0.
         """
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -190,6 +199,11 @@ class Linear(nn.Linear):
             raise RuntimeError(f"linear already packed as {self.format}")
         if small_batch_int8:
             self._small = SmallBatchInt8.from_weight(self.weight.detach(), small_batch_int8)
+        if batched_int8:
+            kernel = batched_kernel_for(self.int8_inputs, batched_int8)
+            if kernel is not None:
+                q, scale = Int8Weight.quantize_rows(self.weight.detach())
+                self._batched = BatchedInt8.from_rows(q, scale, kernel)
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":
@@ -226,6 +240,18 @@ class Linear(nn.Linear):
     def drop_small_batch_int8(self) -> None:
         self.set_small_batch_int8(None)
 
+    @property
+    def batched_int8(self) -> BatchedInt8 | None:
+        return self._batched
+
+    def set_batched_int8(self, copy: BatchedInt8 | None) -> None:
+        """Attach a batched int8 copy (of this layer's shape), or drop it with None."""
+        if copy is not None and copy.out_features != self.out_features:
+            raise ValueError(f"copy has {copy.out_features} outputs, layer {self.out_features}")
+        self._batched = copy
+        if copy is None:
+            self.batched_rows = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -235,6 +261,9 @@ class Linear(nn.Linear):
             return y.view(*lead, y.shape[-1])
         if self._small is not None and x2.shape[0] <= self.small_rows:
             y = self._small(x2, self.bias)
+            return y.view(*lead, y.shape[-1])
+        if self._batched is not None and x2.shape[0] <= self.batched_rows:
+            y = self._batched(x2, self.bias)
             return y.view(*lead, y.shape[-1])
         if self.format == "float":
             return F.linear(x, self.weight, self.bias)
@@ -261,12 +290,15 @@ def pack_linears(
     reduce_range: bool = False,
     float_format: str = "float",
     small_batch_int8: str | None = None,
+    batched_int8: str | None = None,
 ) -> dict[str, int]:
     """Convert every `Linear` of `model` to `fmt`; returns how many took each format."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack(fmt, int8_kernel, reduce_range, float_format, small_batch_int8)
+            module.pack(
+                fmt, int8_kernel, reduce_range, float_format, small_batch_int8, batched_int8
+            )
             counts[module.format] = counts.get(module.format, 0) + 1
     return counts
 

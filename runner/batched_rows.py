@@ -1,0 +1,129 @@
+"""Start-up choice of the batched int8 kernel and of the row counts it serves.
+
+Every linear of the loaded model holds a `BatchedInt8` copy (runner/layers/batched_int8.py);
+this times, over all of the model's linears in turn (so the weights stream from memory as in
+a real step), at each candidate row count: the layer's own format, the small-batch copy
+where it serves that many rows, and each of `AUTO_KERNELS` (the kernels within the quality
+target) this build has. The kernel with the least total time is kept; `batched_rows` is the
+end of the first unbroken run of row counts at which it beats the path that would run
+otherwise (the own format by `margin`, the small copy outright). Where that run starts
+inside `small_rows`, the small copy gives those rows up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernel_for, batched_kernels
+from runner.layers.linear import Linear
+from runner.platform import best_of_interleaved
+
+log = logging.getLogger("headrace.platform")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedChoice:
+    """What the measurement kept: `kernel` None (copies dropped) or the kernel serving
+    `small_rows` < rows <= `batched_rows`; `times` are ms per sweep by rows and path."""
+
+    kernel: str | None
+    batched_rows: int
+    small_rows: int
+    times: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.kernel is None:
+            return "batched int8 weights: not faster here, dropped"
+        isa = batched_kernels().get(self.kernel, "?")
+        return (
+            f"batched int8 weights ({self.kernel}, {isa}) for "
+            f"{self.small_rows + 1}-{self.batched_rows} rows"
+        )
+
+
+def _sweep(
+    layers: list[Linear], x: dict[int, torch.Tensor], kernel: str, batched: int, small: int
+) -> Callable[[], None]:
+    def run() -> None:
+        for m in layers:
+            m.small_rows, m.batched_rows = small, batched
+            assert m.batched_int8 is not None
+            m.batched_int8.kernel = batched_kernel_for(m.int8_inputs, kernel) or kernel
+            m(x[m.in_features])
+
+    return run
+
+
+def choose(
+    times: dict[int, dict[str, float]], kernels: Sequence[str], small_rows: int, margin: float
+) -> tuple[str | None, int, int]:
+    """From times by rows and path ("own", "small" where it serves, each kernel): the
+    kernel, `batched_rows` and `small_rows` (see the module doc); (None, 0, small_rows)
+    where the batched copies lose."""
+    if not times or not kernels:
+        return None, 0, small_rows
+    kernel = min(kernels, key=lambda k: sum(t[k] for t in times.values() if k in t))
+    start, batched_rows = None, 0
+    for rows, t in sorted(times.items()):
+        win = t[kernel] < margin * t["own"] and t[kernel] < t.get("small", float("inf"))
+        if win:
+            start = start or rows
+            batched_rows = rows
+        elif rows > small_rows or start is not None:
+            break
+    if batched_rows <= small_rows or start is None:
+        # Nothing won, or the run ended where the small copy still serves the next rows
+        # (it goes first, so it must keep them).
+        return None, 0, small_rows
+    if start <= small_rows:
+        small_rows = start // 2  # candidates double: the one below the run
+    return kernel, batched_rows, small_rows
+
+
+def measure_batched_rows(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    candidates: Sequence[int] = (8, 16, 32, 64),
+    reps: int = 3,
+    margin: float = 0.9,
+    candidates_kernels: Sequence[str] = AUTO_KERNELS,
+) -> BatchedChoice:
+    """Choose and set the kernel, `batched_rows` and (maybe lowered) `small_rows` on every
+    layer with a batched copy; drop the copies where no kernel wins."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.batched_int8 is not None]
+    small_rows = max((m.small_rows for m in layers if m.has_small_batch_int8), default=0)
+    kernels = [k for k in candidates_kernels if k in batched_kernels()]
+    times: dict[int, dict[str, float]] = {}
+    if layers and kernels:
+        with torch.inference_mode():
+            for rows in sorted(candidates):
+                x = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
+                runs = {"own": _sweep(layers, x, kernels[0], 0, 0)}
+                if rows <= small_rows:
+                    runs["small"] = _sweep(layers, x, kernels[0], 0, small_rows)
+                runs |= {k: _sweep(layers, x, k, rows, 0) for k in kernels}
+                times[rows] = {p: t * 1e3 for p, t in best_of_interleaved(runs, reps).items()}
+                log.info(
+                    "batched int8 at %d rows (ms per sweep of %d linears): %s",
+                    rows,
+                    len(layers),
+                    ", ".join(f"{p} {t:.2f}" for p, t in times[rows].items()),
+                )
+                # More rows only add arithmetic: once nothing beats the own format, stop.
+                if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
+                    break
+    kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
+    for m in layers:
+        if m.has_small_batch_int8:
+            m.small_rows = small_rows
+        if kernel is None:
+            m.set_batched_int8(None)
+        else:
+            assert m.batched_int8 is not None
+            m.batched_int8.kernel = batched_kernel_for(m.int8_inputs, kernel) or kernel
+            m.batched_rows = batched_rows
+    return BatchedChoice(kernel, batched_rows, small_rows, times)

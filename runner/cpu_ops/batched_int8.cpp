@@ -1,0 +1,440 @@
+// Batched weight-only int8 linear without AMX: y = x @ (q * scale)^T + bias for 8-64 rows.
+//
+// A decode step of a few dozen requests still reads every weight once, so int8 weights
+// (1 byte) beat oneDNN's bf16 (2 bytes) as long as the arithmetic keeps up with the memory;
+// the fp32 GEMV (int8_linear.cpp) does not past ~8 rows. Here the weights are packed so that
+// one vector holds G output channels x 4 inputs, and a register tile of MB rows x NG vectors
+// multiplies each loaded weight vector into MB accumulators (no horizontal sums in the loop).
+// Two inner loops, measured against each other at load (runner/batched_rows.py):
+//
+//   "dot"    activations quantised per row to int8 (dynamic scale amax / 127) and int8 dot
+//            products in int32: AVX-512 VNNI or AVX-VNNI (u8 x s8: activations + 128, minus
+//            128 * the weight row's sum), or AVX2 madd on int16 (s16 x s16 pairs into int32:
+//            nothing saturates, unlike maddubs' int16 sums).
+//   "widen"  weights widened in registers: to bf16 pairs for _mm512_dpbf16_ps (activations
+//            rounded to bf16), else to fp32 for FMA (activations fp32).
+//
+//   batched_int8_pack(q [N, K] int8) -> [ceil(N/BN), ceil(K/4), BN, 4] int8, zero padded;
+//     BN = batched_int8_block() channels (64 on AVX-512 builds, 16 on AVX2): one block is
+//     one contiguous stream, read by one thread.
+//   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], colsum [N] int32, bias?, N,
+//     kernel) -> [M, N] x.dtype; colsum[n] = sum_k q[n, k] (the "dot" offset correction).
+//   batched_int8_kernels() -> this build's kernels as "name:isa".
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HR_W512 1
+constexpr int64_t kG = 16;  // channels per vector
+constexpr int64_t kGroups = 4;
+#else
+#define HR_W512 0
+constexpr int64_t kG = 8;
+constexpr int64_t kGroups = 2;
+#endif
+constexpr int64_t kBlockN = kG * kGroups;  // channels per packed block
+constexpr int64_t kStepBytes = kBlockN * 4;  // one block's bytes for 4 inputs
+
+// ---- inner-loop variants: zero / load / bcast / mac on one group of kG channels -----------
+// Each keeps kAcc accumulators per (row, group); lane l of accumulator a holds a partial sum
+// of channel (a * lanes + l) / R, R = kAcc * lanes / kG, summed in `finish`.
+
+#if HR_W512 && defined(__AVX512VNNI__)
+#define HR_DOT 1
+constexpr const char* kDotIsa = "avx512_vnni";
+struct Dot {
+  using X = uint8_t;  // activation + 128
+  using Acc = __m512i;
+  using W = __m512i;
+  using B = __m512i;
+  static constexpr bool kOffset = true;
+  static constexpr int kAcc = 1, kW = 1, kNG = 4, kMB = 6;
+  static void zero(Acc* a) { a[0] = _mm512_setzero_si512(); }
+  static void load(const int8_t* p, W* w) { w[0] = _mm512_loadu_si512(p); }
+  static B bcast(const X* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static void mac(Acc* a, const W* w, B b) { a[0] = _mm512_dpbusd_epi32(a[0], b, w[0]); }
+};
+#elif !HR_W512 && defined(__AVX2__) && defined(__AVXVNNI__)
+#define HR_DOT 1
+constexpr const char* kDotIsa = "avx_vnni";
+struct Dot {
+  using X = uint8_t;
+  using Acc = __m256i;
+  using W = __m256i;
+  using B = __m256i;
+  static constexpr bool kOffset = true;
+  static constexpr int kAcc = 1, kW = 1, kNG = 2, kMB = 4;
+  static void zero(Acc* a) { a[0] = _mm256_setzero_si256(); }
+  static void load(const int8_t* p, W* w) {
+    w[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static B bcast(const X* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static void mac(Acc* a, const W* w, B b) { a[0] = _mm256_dpbusd_avx_epi32(a[0], b, w[0]); }
+};
+#elif !HR_W512 && defined(__AVX2__)
+#define HR_DOT 1
+constexpr const char* kDotIsa = "avx2_madd";
+// s8 widened to s16; madd sums two s16 x s16 products into int32, which cannot saturate.
+struct Dot {
+  using X = int8_t;
+  using Acc = __m256i;
+  using W = __m256i;
+  using B = __m256i;
+  static constexpr bool kOffset = false;
+  static constexpr int kAcc = 2, kW = 2, kNG = 1, kMB = 4;
+  static void zero(Acc* a) { a[0] = a[1] = _mm256_setzero_si256(); }
+  static void load(const int8_t* p, W* w) {
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  static B bcast(const X* x) {
+    const int64_t v = static_cast<uint16_t>(x[0]) | (static_cast<uint64_t>(static_cast<uint16_t>(x[1])) << 16) |
+                      (static_cast<uint64_t>(static_cast<uint16_t>(x[2])) << 32) |
+                      (static_cast<uint64_t>(static_cast<uint16_t>(x[3])) << 48);
+    return _mm256_set1_epi64x(v);
+  }
+  static void mac(Acc* a, const W* w, B b) {
+    a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(w[0], b));
+    a[1] = _mm256_add_epi32(a[1], _mm256_madd_epi16(w[1], b));
+  }
+};
+#else
+#define HR_DOT 0
+#endif
+
+#if HR_W512 && defined(__AVX512BF16__)
+#define HR_WIDEN 1
+constexpr const char* kWidenIsa = "avx512_bf16";
+struct Widen {
+  using X = uint16_t;  // bf16 bits
+  using Acc = __m512;
+  using W = __m512bh;
+  using B = __m512bh;
+  static constexpr bool kOffset = false;
+  static constexpr int kAcc = 2, kW = 2, kNG = 2, kMB = 4;
+  static void zero(Acc* a) { a[0] = a[1] = _mm512_setzero_ps(); }
+  static __m512 f32(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 16 channels x 4 inputs -> two vectors of bf16 pairs: lane i = channel i/2, pair i%2.
+  static void load(const int8_t* p, W* w) {
+    w[0] = _mm512_cvtne2ps_pbh(f32(p + 16), f32(p));
+    w[1] = _mm512_cvtne2ps_pbh(f32(p + 48), f32(p + 32));
+  }
+  static B bcast(const X* x) {
+    int64_t v;
+    std::memcpy(&v, x, 8);
+    return (B)_mm512_set1_epi64(v);
+  }
+  static void mac(Acc* a, const W* w, B b) {
+    a[0] = _mm512_dpbf16_ps(a[0], w[0], b);
+    a[1] = _mm512_dpbf16_ps(a[1], w[1], b);
+  }
+};
+#elif HR_W512
+#define HR_WIDEN 1
+constexpr const char* kWidenIsa = "avx512_fma";
+struct Widen {
+  using X = float;
+  using Acc = __m512;
+  using W = __m512;
+  using B = __m512;
+  static constexpr bool kOffset = false;
+  static constexpr int kAcc = 4, kW = 4, kNG = 1, kMB = 4;
+  static void zero(Acc* a) {
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_setzero_ps();
+  }
+  static void load(const int8_t* p, W* w) {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
+  }
+  static B bcast(const X* x) { return _mm512_broadcast_f32x4(_mm_loadu_ps(x)); }
+  static void mac(Acc* a, const W* w, B b) {
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(w[i], b, a[i]);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HR_WIDEN 1
+constexpr const char* kWidenIsa = "avx2_fma";
+struct Widen {
+  using X = float;
+  using Acc = __m256;
+  using W = __m256;
+  using B = __m256;
+  static constexpr bool kOffset = false;
+  static constexpr int kAcc = 4, kW = 4, kNG = 1, kMB = 2;
+  static void zero(Acc* a) {
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_setzero_ps();
+  }
+  static void load(const int8_t* p, W* w) {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  }
+  static B bcast(const X* x) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x)); }
+  static void mac(Acc* a, const W* w, B b) {
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(w[i], b, a[i]);
+  }
+};
+#else
+#define HR_WIDEN 0
+#endif
+
+// ---- the register tile and the driver, shared by every variant ----------------------------
+
+// Sums the R lanes of each channel; `corr` (int paths with the u8 offset) is subtracted in
+// int32, where it is exact.
+template <class K>
+inline void finish(const typename K::Acc* acc, const int32_t* corr, float* out) {
+  constexpr int kLanes = sizeof(typename K::Acc) / 4;
+  constexpr int R = K::kAcc * kLanes / kG;
+  using Lane = std::conditional_t<std::is_same_v<typename K::Acc, __m256> ||
+                                      std::is_same_v<typename K::Acc, __m512>,
+                                  float, int32_t>;
+  Lane lanes[K::kAcc * kLanes];
+  std::memcpy(lanes, acc, sizeof(lanes));
+  for (int c = 0; c < kG; ++c) {
+    Lane s = 0;
+    for (int r = 0; r < R; ++r) s += lanes[c * R + r];
+    if constexpr (std::is_same_v<Lane, int32_t>) {
+      if (corr) s -= corr[c];
+    }
+    out[c] = static_cast<float>(s);
+  }
+}
+
+// MB rows x K::kNG groups (from group g0 of one block) over all k4 steps.
+template <class K, int MB>
+void tile(const typename K::X* x, int64_t x_stride, int64_t k4n, const int8_t* block, int64_t g0,
+          const int32_t* corr, float* out) {
+  typename K::Acc acc[MB][K::kNG][K::kAcc];
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < K::kNG; ++g) K::zero(acc[m][g]);
+  for (int64_t s = 0; s < k4n; ++s) {
+    const int8_t* wp = block + s * kStepBytes + g0 * kG * 4;
+    typename K::W w[K::kNG][K::kW];
+    for (int g = 0; g < K::kNG; ++g) K::load(wp + g * kG * 4, w[g]);
+    for (int m = 0; m < MB; ++m) {
+      const typename K::B b = K::bcast(x + m * x_stride + s * 4);
+      for (int g = 0; g < K::kNG; ++g) K::mac(acc[m][g], w[g], b);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < K::kNG; ++g)
+      finish<K>(acc[m][g], corr ? corr + (g0 + g) * kG : nullptr,
+                out + m * kBlockN + (g0 + g) * kG);
+}
+
+template <class K, int MB>
+void tile_rows(int rows, const typename K::X* x, int64_t x_stride, int64_t k4n,
+               const int8_t* block, int64_t g0, const int32_t* corr, float* out) {
+  if constexpr (MB > 0) {
+    if (rows == MB) return tile<K, MB>(x, x_stride, k4n, block, g0, corr, out);
+    tile_rows<K, MB - 1>(rows, x, x_stride, k4n, block, g0, corr, out);
+  }
+}
+
+template <class K, typename T>
+void run(const typename K::X* x, const float* x_scale, int64_t rows, int64_t k4n,
+         const int8_t* packed, const float* scale, const int32_t* corr, const float* bias,
+         int64_t n_dim, T* out) {
+  const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
+  const int64_t x_stride = k4n * 4;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float sums[K::kMB * kBlockN];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int8_t* block = packed + nb * k4n * kStepBytes;
+      const int32_t* bc = corr ? corr + nb * kBlockN : nullptr;
+      const int64_t n0 = nb * kBlockN, valid = std::min<int64_t>(kBlockN, n_dim - n0);
+      // The first row tile streams the block from memory; the others find it in cache.
+      for (int64_t m0 = 0; m0 < rows; m0 += K::kMB) {
+        const int mb = static_cast<int>(std::min<int64_t>(K::kMB, rows - m0));
+        for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
+          tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, k4n, block, g0, bc, sums);
+        for (int m = 0; m < mb; ++m) {
+          const float xs = x_scale ? x_scale[m0 + m] : 1.0f;
+          T* o = out + (m0 + m) * n_dim + n0;
+          for (int64_t c = 0; c < valid; ++c)
+            o[c] = static_cast<T>(sums[m * kBlockN + c] * xs * scale[n0 + c] +
+                                  (bias ? bias[n0 + c] : 0.0f));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor batched_int8_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "batched_int8_pack: [N, K] int8");
+  const at::Tensor src = q.contiguous();
+  const int64_t n_dim = src.size(0), k_dim = src.size(1);
+  const int64_t nb = (n_dim + kBlockN - 1) / kBlockN, k4n = (k_dim + 3) / 4;
+  at::Tensor out = at::zeros({nb, k4n, kBlockN, 4}, src.options());
+  const int8_t* s = src.data_ptr<int8_t>();
+  int8_t* d = out.data_ptr<int8_t>();
+  for (int64_t n = 0; n < n_dim; ++n)
+    for (int64_t k = 0; k < k_dim; ++k)
+      d[((n / kBlockN * k4n + k / 4) * kBlockN + n % kBlockN) * 4 + k % 4] = s[n * k_dim + k];
+  return out;
+}
+
+int64_t batched_int8_block() { return kBlockN; }
+
+std::vector<std::string> batched_int8_kernels() {
+  std::vector<std::string> out;
+#if HR_DOT
+  out.push_back(std::string("dot:") + kDotIsa);
+#endif
+#if HR_WIDEN
+  out.push_back(std::string("widen:") + kWidenIsa);
+#endif
+  return out;
+}
+
+// x as fp32, padded with zeros to k4n * 4 columns.
+std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
+  const int64_t rows = x.size(0), k_dim = x.size(1);
+  std::vector<float> xf(rows * k4n * 4, 0.0f);
+  const at::Tensor xc = x.contiguous();
+  for (int64_t m = 0; m < rows; ++m) {
+    float* row = xf.data() + m * k4n * 4;
+    if (x.scalar_type() == at::kFloat) {
+      std::memcpy(row, xc.data_ptr<float>() + m * k_dim, k_dim * sizeof(float));
+    } else {
+      const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>() + m * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xb[k]);
+    }
+  }
+  return xf;
+}
+
+template <class K, typename T>
+void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
+              const at::Tensor& colsum, const float* bias, int64_t n_dim, at::Tensor& out) {
+  using X = typename K::X;
+  const int64_t rows = x.size(0), width = k4n * 4;
+  const std::vector<float> xf = padded_fp32(x, k4n);
+  std::vector<X> xq(rows * width);
+  std::vector<float> x_scale;
+  std::vector<int32_t> corr;
+  if constexpr (std::is_same_v<X, float>) {
+    std::memcpy(xq.data(), xf.data(), xf.size() * sizeof(float));
+  } else if constexpr (std::is_same_v<X, uint16_t>) {
+    for (size_t i = 0; i < xf.size(); ++i) xq[i] = c10::BFloat16(xf[i]).x;
+  } else {
+    // Per-row symmetric int8: q = round(x * 127 / amax), as the torch reference rounds.
+    x_scale.resize(rows);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* row = xf.data() + m * width;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < width; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      x_scale[m] = amax / 127.0f;
+      for (int64_t k = 0; k < width; ++k) {
+        const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv)));
+        xq[m * width + k] = static_cast<X>(static_cast<int>(v) + (K::kOffset ? 128 : 0));
+      }
+    }
+    if constexpr (K::kOffset) {
+      const int64_t padded_n = packed.size(0) * kBlockN;
+      corr.assign(padded_n, 0);
+      const int32_t* cs = colsum.data_ptr<int32_t>();
+      for (int64_t n = 0; n < n_dim; ++n) corr[n] = 128 * cs[n];
+    }
+  }
+  run<K, T>(xq.data(), x_scale.empty() ? nullptr : x_scale.data(), rows, k4n,
+            packed.data_ptr<int8_t>(), sc.data_ptr<float>(), corr.empty() ? nullptr : corr.data(),
+            bias, n_dim, out.data_ptr<T>());
+}
+
+template <class K>
+void dispatch_dtype(const at::Tensor& x, int64_t k4n, const at::Tensor& packed,
+                    const at::Tensor& sc, const at::Tensor& colsum, const float* bias,
+                    int64_t n_dim, at::Tensor& out) {
+  if (x.scalar_type() == at::kFloat)
+    dispatch<K, float>(x, k4n, packed, sc, colsum, bias, n_dim, out);
+  else
+    dispatch<K, c10::BFloat16>(x, k4n, packed, sc, colsum, bias, n_dim, out);
+}
+
+at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scale, const at::Tensor& colsum,
+                               const c10::optional<at::Tensor>& bias, int64_t n_dim,
+                               const std::string& kernel) {
+  TORCH_CHECK(x.dim() == 2, "batched_int8_linear: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "batched_int8_linear: fp32 or bf16 inputs only, got ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kBlockN && packed.size(3) == 4,
+              "batched_int8_linear: packed must come from this build's batched_int8_pack");
+  const int64_t k4n = packed.size(1);
+  TORCH_CHECK((x.size(1) + 3) / 4 == k4n, "batched_int8_linear: x has ", x.size(1),
+              " columns, the weight was packed for ", k4n * 4);
+  TORCH_CHECK(n_dim > 0 && (n_dim + kBlockN - 1) / kBlockN == packed.size(0),
+              "batched_int8_linear: n does not match the packed blocks");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_dim,
+              "batched_int8_linear: scale must be fp32, one per output channel");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.numel() == n_dim,
+              "batched_int8_linear: colsum must be int32, one per output channel");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_dim, "batched_int8_linear: one bias per output channel");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor sc = scale.contiguous(), cs = colsum.contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
+  if (x.size(0) == 0) return out;
+  if (kernel == "dot") {
+#if HR_DOT
+    dispatch_dtype<Dot>(x, k4n, packed, sc, cs, bp, n_dim, out);
+    return out;
+#endif
+  } else if (kernel == "widen") {
+#if HR_WIDEN
+    dispatch_dtype<Widen>(x, k4n, packed, sc, cs, bp, n_dim, out);
+    return out;
+#endif
+  }
+  TORCH_CHECK(false, "batched_int8_linear: kernel '", kernel,
+              "' is not in this build (see batched_int8_kernels)");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(headrace, m) {
+  m.def("batched_int8_pack(Tensor q) -> Tensor");
+  m.def("batched_int8_block() -> int", &batched_int8_block);
+  m.def("batched_int8_kernels() -> str[]", &batched_int8_kernels);
+  m.def(
+      "batched_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor colsum, Tensor? bias, "
+      "int n, str kernel) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(headrace, CPU, m) {
+  m.impl("batched_int8_pack", &batched_int8_pack);
+  m.impl("batched_int8_linear", &batched_int8_linear);
+}

@@ -1,0 +1,77 @@
+"""A weight-only int8 copy of a linear's weight for batches of a few dozen rows, without AMX.
+
+The C++ kernel (runner/cpu_ops/batched_int8.cpp) reads the int8 weight once per call and
+multiplies it into register tiles of several rows, one of two ways:
+
+```
+dot     activations quantised per row to int8 (dynamic scale), int8 dot products in int32
+        (AVX-512 VNNI, AVX-VNNI, or AVX2 madd that cannot saturate)
+widen   int8 weights widened in registers: bf16 pairs (AVX512-BF16) or fp32 FMA
+```
+
+Both read the same packed weight, so the kernel can be switched after packing: the start-up
+measurement (runner/batched_rows.py) times the `AUTO_KERNELS` on the model's own layers and
+keeps the fastest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BATCHED_KERNELS = ("dot", "widen")
+# The kernels the start-up measurement may choose. NOTE: "dot" is left out: its per-row int8
+# activations cost +2.3-2.5% perplexity on SmolLM2 (1024 tokens, 64 rows a forward; "widen"
+# +0.95%), over the +2% quality target (benchmarks/quality_int8.py); it stays built, tested
+# and measured by benchmarks/cpu_kernels.py for a model or CPU where it is worth revisiting.
+AUTO_KERNELS = ("widen",)
+
+
+def batched_kernels() -> dict[str, str]:
+    """This build's kernels and the instructions each uses ({} where none, or no build)."""
+    from runner.cpu_ops import load_cpu_ops  # cached: builds or loads the kernels once
+
+    if load_cpu_ops() is not None:
+        return {}
+    return dict(entry.split(":", 1) for entry in torch.ops.headrace.batched_int8_kernels())
+
+
+def batched_kernel_for(int8_inputs: bool, kernel: str) -> str | None:
+    """The kernel a layer takes when `kernel` is chosen: layers whose inputs carry outlier
+    channels (`Linear.int8_inputs` False) never quantise them, so they widen instead (None
+    where this build cannot)."""
+    if int8_inputs or kernel != "dot":
+        return kernel
+    return "widen" if "widen" in batched_kernels() else None
+
+
+@dataclass(slots=True)
+class BatchedInt8:
+    """An [N, K] weight as int8 (per-output-channel fp32 scales) packed for the batched
+    kernel, with each channel's int8 sum (the "dot" kernel's offset correction)."""
+
+    packed: torch.Tensor  # [ceil(N/BN), ceil(K/4), BN, 4] int8
+    scale: torch.Tensor  # [N] fp32
+    colsum: torch.Tensor  # [N] int32
+    out_features: int
+    kernel: str
+
+    @classmethod
+    def from_rows(cls, q: torch.Tensor, scale: torch.Tensor, kernel: str) -> BatchedInt8:
+        """From int8 rows and their scales (`Int8Weight.quantize_rows`)."""
+        available = batched_kernels()
+        if kernel not in available:
+            raise ValueError(
+                f"batched int8 kernel {kernel!r} is not in this build "
+                f"(it has: {', '.join(available) or 'none'})"
+            )
+        packed = torch.ops.headrace.batched_int8_pack(q)
+        colsum = q.sum(dim=1, dtype=torch.int32)
+        return cls(packed, scale.float().contiguous(), colsum, q.shape[0], kernel)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
+        return torch.ops.headrace.batched_int8_linear(
+            x, self.packed, self.scale, self.colsum, bias, self.out_features, self.kernel
+        )

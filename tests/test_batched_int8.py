@@ -1,0 +1,235 @@
+"""The batched int8 linears without AMX (runner/cpu_ops/batched_int8.cpp) against torch.
+
+Both kernels of each build against the matmul of the dequantised weights, for 1..64 rows
+and shapes off the vector and block grids; the layer's dispatch; the start-up choice; an
+engine step of 16 requests on the embedded SmolLM2. The AVX2 builds (with and without
+AVX-VNNI) run the kernel tests again in a fresh process each.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runner.batched_rows import choose, measure_batched_rows
+from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
+from runner.layers.batched_int8 import BatchedInt8, batched_kernels
+from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8, pack_linears
+from scheduling import SamplingParams
+
+X86 = platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert load_cpu_ops() is None, "the CPU kernels did not build"
+
+
+def kernels() -> list[str]:
+    found = sorted(batched_kernels())
+    if X86:  # every x86-64 build we make has AVX2 at least: both kernels
+        assert found == ["dot", "widen"], batched_kernels()
+    return found
+
+
+def reference(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
+    """What the kernel computes, in float64: per-row int8 activations for "dot"; for
+    "widen" the activations as the build multiplies them (bf16 pairs or fp32)."""
+    xf = x.float()
+    if kernel == "dot":
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        xq = (xf * inv).round().clamp(-127, 127)
+        y = (xq.double() @ q.double().t()) * (amax / 127).double() * scale.double()
+    else:
+        if batched_kernels()["widen"] == "avx512_bf16":
+            xf = xf.bfloat16().float()
+        y = xf.double() @ (q.double() * scale.double()[:, None]).t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_match_the_dequantised_matmul(dtype):
+    torch.manual_seed(0)
+    # Channels and inputs off the 16/64-channel blocks and the 4-input groups, and a
+    # SmolLM2 shape.
+    for n_dim, k_dim in ((70, 40), (33, 23), (192, 576)):
+        w = torch.randn(n_dim, k_dim) * 0.05
+        bias = torch.randn(n_dim)
+        q, scale = Int8Weight.quantize_rows(w)
+        copy = {k: BatchedInt8.from_rows(q, scale, k) for k in kernels()}
+        x = torch.randn(64, k_dim).to(dtype)
+        x[5] = 0  # a zero row: scale 0, the output is the bias
+        for kernel, c in copy.items():
+            for rows in range(1, 65):
+                got = c(x[:rows], bias)
+                assert got.dtype == dtype and got.shape == (rows, n_dim)
+                want = reference(kernel, x[:rows], q, scale, bias).float()
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+            # A row's answer is its own, whatever shares its batch (and bias is optional).
+            assert torch.equal(c(x[:1], bias), got[:1])
+            torch.testing.assert_close(
+                c(x, None).float(), (want - bias).float(), atol=tol, rtol=tol
+            )
+
+
+def test_pack_lays_out_blocks_of_channels_by_four_inputs():
+    bn = torch.ops.headrace.batched_int8_block()
+    assert bn in (16, 64)
+    q = torch.randint(-127, 128, (bn + 5, 10), dtype=torch.int8)
+    packed = torch.ops.headrace.batched_int8_pack(q)
+    assert packed.shape == (2, 3, bn, 4)
+    padded = torch.zeros(2 * bn, 12, dtype=torch.int8)
+    padded[: bn + 5, :10] = q
+    assert torch.equal(packed, padded.view(2, bn, 3, 4).permute(0, 2, 1, 3))
+
+
+def test_bad_calls_are_refused():
+    op = torch.ops.headrace.batched_int8_linear
+    q, scale = Int8Weight.quantize_rows(torch.randn(20, 16))
+    c = BatchedInt8.from_rows(q, scale, kernels()[0])
+    with pytest.raises(RuntimeError, match="the weight was packed for 16"):
+        op(torch.zeros(1, 20), c.packed, c.scale, c.colsum, None, 20, "dot")
+    with pytest.raises(RuntimeError, match="n does not match"):
+        op(torch.zeros(1, 16), c.packed, c.scale, c.colsum, None, 200, "dot")
+    with pytest.raises(RuntimeError, match="kernel 'amx' is not in this build"):
+        op(torch.zeros(1, 16), c.packed, c.scale, c.colsum, None, 20, "amx")
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        op(torch.zeros(1, 16).half(), c.packed, c.scale, c.colsum, None, 20, "dot")
+    with pytest.raises(ValueError, match="'amx' is not in this build"):
+        BatchedInt8.from_rows(q, scale, "amx")
+
+
+def test_linear_takes_small_then_batched_then_its_own_format():
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack("float", small_batch_int8="rows", batched_int8="dot")
+    layer.small_rows, layer.batched_rows = 2, 8
+    assert layer.batched_int8 is not None and layer.batched_int8.kernel == "dot"
+    small = SmallBatchInt8.from_weight(w, "rows")
+    q, scale = Int8Weight.quantize_rows(w)
+    batched = BatchedInt8.from_rows(q, scale, "dot")
+    for rows, want in ((2, small), (3, batched), (8, batched), (9, None)):
+        x = torch.randn(rows, 64)
+        expect = torch.nn.functional.linear(x, w, b) if want is None else want(x, b)
+        assert torch.equal(layer(x), expect), rows
+    with pytest.raises(ValueError, match="copy has 48 outputs, layer 12"):
+        Linear(64, 12).set_batched_int8(batched)
+    layer.set_batched_int8(None)
+    assert layer.batched_rows == 0
+    # Outlier inputs are never quantised: such a layer widens where "dot" is chosen.
+    down = Linear(64, 48, int8_inputs=False)
+    down.pack("float", batched_int8="dot")
+    assert down.batched_int8 is not None and down.batched_int8.kernel == "widen"
+
+
+def test_choice_keeps_the_first_unbroken_run_of_wins():
+    def t(own, dot, widen, small=None):
+        out = {"own": own, "dot": dot, "widen": widen}
+        return out | ({"small": small} if small is not None else {})
+
+    ks = ["dot", "widen"]
+    # dot wins at 8, 16 and 32, loses at 64: 5..32 rows (small keeps 1..4).
+    times = {8: t(10, 8, 9.8), 16: t(10, 5, 8), 32: t(10, 6, 9), 64: t(10, 9.5, 12)}
+    assert choose(times, ks, 4, 0.9) == ("dot", 32, 4)
+    # Beating the small copy inside small_rows takes those rows from it.
+    times = {8: t(10, 4, 9, small=5), 16: t(10, 5, 9, small=6), 32: t(10, 6, 9)}
+    assert choose(times, ks, 16, 0.9) == ("dot", 32, 4)
+    # A run that ends where the small copy still serves: not taken.
+    times = {8: t(10, 4, 9, small=5), 16: t(10, 7, 9, small=6)}
+    assert choose(times, ks, 16, 0.9) == (None, 0, 16)
+    # widen has the least total time and wins at 8 only; nothing wins at all: dropped.
+    assert choose({8: t(10, 9.5, 8), 16: t(10, 9.6, 9.2)}, ks, 4, 0.9) == ("widen", 8, 4)
+    assert choose({8: t(10, 9.5, 9.5)}, ks, 4, 0.9) == (None, 0, 4)
+    assert choose({}, ks, 4, 0.9) == (None, 0, 4)
+
+
+def test_measurement_sets_the_layers_or_drops_the_copies():
+    model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
+    pack_linears(model, "float", batched_int8="dot")
+    choice = measure_batched_rows(
+        model, torch.float32, candidates=(8, 16), reps=1, candidates_kernels=("dot", "widen")
+    )
+    assert choice.kernel in (None, "dot", "widen") and choice.batched_rows in (0, 8, 16)
+    assert all(set(t) == {"own", "dot", "widen"} for t in choice.times.values())
+    assert sorted(choice.times) in ([8], [8, 16])
+    assert all(m.batched_rows == choice.batched_rows for m in model)
+    # A margin nothing can meet: the copies are dropped, not kept unused.
+    pack_linears(model := torch.nn.Sequential(Linear(256, 512)), "float", batched_int8="dot")
+    choice = measure_batched_rows(model, torch.float32, candidates=(8,), reps=1, margin=0.0)
+    assert choice.kernel is None and "dropped" in choice.describe()
+    assert model[0].batched_int8 is None and model[0].batched_rows == 0
+
+
+def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch):
+    from model_fixtures import engine_for
+
+    # 16 chat prompts: 4 questions in 4 phrasings, so no two prompts share a whole prefix.
+    questions = ["the capital of France", "the boiling point of water", "a prime number",
+                 "the largest planet"]  # fmt: skip
+    asks = ["What is {}?", "Tell me {}.", "Please name {}.", "Do you know {}?"]
+    prompts = [
+        smollm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": a.format(q)}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+        for a in asks
+    ]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = [c.token_ids for c in engine_for(smollm).generate(prompts, params)]
+    model = copy.deepcopy(smollm.model)
+    pack_linears(model, "float", batched_int8="dot")
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.batched_rows = 64
+    rows: list[tuple[str, int]] = []
+    call = BatchedInt8.__call__
+
+    def counted(self, x, bias):
+        rows.append((self.kernel, x.shape[0]))
+        return call(self, x, bias)
+
+    monkeypatch.setattr(BatchedInt8, "__call__", counted)
+    fast = dataclasses.replace(smollm, model=model, platform=None)
+    engine = engine_for(fast, max_num_seqs=16)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # Decode steps of all 16 requests went through both kernels (down projections widen).
+    assert {("dot", 16), ("widen", 16)} <= set(rows), sorted(set(rows))
+    # Sane greedy output: the answers start as the fp32 path's do.
+    starts = [a[:3] == b[:3] for a, b in zip(ref, got)]
+    assert sum(starts) >= 12, (ref, got)
+    assert len(set(map(tuple, got))) > 4  # not one answer for every prompt
+
+
+@pytest.mark.skipif(not X86, reason="AVX flags exist only on x86-64")
+@pytest.mark.parametrize(
+    "flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni"], ids=["avx_vnni", "avx2_madd"]
+)
+def test_the_avx2_builds_pass_the_kernel_tests(tmp_path, flags):
+    env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "HEADRACE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__,
+         "-k", "match_the or pack_lays or refused or print_isa"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert any(tmp_path.glob("cpu_ops/*/built.ok"))  # it really built its own library
+    want = "avx_vnni" if "avxvnni" not in flags else "avx2_madd"
+    assert f"dot:{want}" in done.stdout and "widen:avx2_fma" in done.stdout
+
+
+def test_print_isa():
+    # Read by the AVX2 build tests above: which instructions this build's kernels use.
+    print(" ".join(torch.ops.headrace.batched_int8_kernels()))
+    assert kernels()
