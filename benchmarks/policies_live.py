@@ -132,7 +132,8 @@ def run_urgent(
         idle = run(peer, tok, [*shape, "--num-prompts", str(n), "--seed", "5"], math.inf, 1)
         mix = ["--class", f"urgent:{a.urgent_share}:0", "--class", f"batch:{1 - a.urgent_share}:1"]
         argv = [*shape, *mix, "--num-prompts", str(round(n / a.urgent_share)), "--seed", "5"]
-        loaded = run(peer, tok, argv, rate, None)["classes"]["urgent"]
+        result = run(peer, tok, argv, rate, None)
+        loaded = result["classes"]["urgent"]
     finally:
         peer.stop()
     p50 = loaded["median_ttft_ms"] / (idle["median_ttft_ms"] or math.nan)
@@ -140,12 +141,14 @@ def run_urgent(
     print(
         f"urgent TTFT idle p50/p99 {idle['median_ttft_ms']:.0f}/{idle['p99_ttft_ms']:.0f} ms; "
         f"under priority-1 load at {rate:.2f} req/s: {loaded['median_ttft_ms']:.0f}/"
-        f"{loaded['p99_ttft_ms']:.0f} ms (n={loaded['completed']})"
+        f"{loaded['p99_ttft_ms']:.0f} ms (n={loaded['completed']}); "
+        f"all classes {result['output_throughput']:.1f} output tok/s"
     )
     return [
         f"priority_urgent_ttft_p50_loaded_over_idle={p50:.2f}",
         f"priority_urgent_ttft_p99_loaded_over_idle={p99:.2f}",
         f"urgent_offered_req_s={rate:.3f}",
+        f"urgent_load_output_tok_s={result['output_throughput']:.1f}",
     ]
 
 
