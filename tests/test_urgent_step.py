@@ -87,12 +87,18 @@ def expected_cap(urgent_prompt: int, urgent_wait: float = 0.3) -> int:
     return max(int(CPU.base_s / per), int((target - CPU.base_s) / per))
 
 
-def test_steps_stay_short_while_urgent_requests_are_about() -> None:
-    sched, _ = cpu_priority_scheduler()
+def decoding_batch(sched: Scheduler) -> list:
+    """Sixteen priority-1 requests, past their prompts and decoding."""
     batch = [make_request(16, max_tokens=200, priority=1) for _ in range(16)]
     for req in batch:
         sched.add_request(req)
     step(sched)
+    return batch
+
+
+def test_steps_stay_short_while_urgent_requests_are_about() -> None:
+    sched, _ = cpu_priority_scheduler()
+    batch = decoding_batch(sched)
     # One class only: no cap, the whole batch decodes each step.
     assert step(sched).total_num_scheduled_tokens == 16
     urgent = make_request(128, max_tokens=40, priority=0)
@@ -116,10 +122,7 @@ def test_steps_stay_short_while_urgent_requests_are_about() -> None:
 
 def test_the_cap_lifts_once_urgent_requests_stop_coming() -> None:
     sched, clock = cpu_priority_scheduler(window_s=5.0)
-    batch = [make_request(16, max_tokens=200, priority=1) for _ in range(16)]
-    for req in batch:
-        sched.add_request(req)
-    step(sched)
+    decoding_batch(sched)
     urgent = make_request(64, max_tokens=2, priority=0)
     sched.add_request(urgent)
     for _ in range(4):
@@ -132,10 +135,7 @@ def test_the_cap_lifts_once_urgent_requests_stop_coming() -> None:
 
 def test_urgent_wait_zero_turns_the_cap_off() -> None:
     sched, _ = cpu_priority_scheduler(urgent_wait=0.0)
-    batch = [make_request(16, max_tokens=200, priority=1) for _ in range(16)]
-    for req in batch:
-        sched.add_request(req)
-    step(sched)
+    decoding_batch(sched)
     urgent = make_request(128, max_tokens=40, priority=0)
     sched.add_request(urgent)
     step(sched)
