@@ -296,8 +296,13 @@ def test_kill_one_replica_mid_stream_fails_only_its_requests(dp: Daemon) -> None
             ]
             for _ in tasks:  # every stream has its first token
                 await started.acquire()
-            text = (await client.get("/metrics")).text
-            running.extend(_gauge(text, "headrace_replica_requests_running", i) for i in (0, 1))
+            # The gauge follows the replicas' load reports, which lag by a report interval.
+            deadline = time.monotonic() + 10
+            while not running or (sum(running) < 8 and time.monotonic() < deadline):
+                await asyncio.sleep(0.05)
+                text = (await client.get("/metrics")).text
+                gauge = "headrace_replica_requests_running"
+                running[:] = [_gauge(text, gauge, i) for i in (0, 1)]
             os.kill(victim, signal.SIGKILL)
             while not downs:  # /health names the victim (it is back a few seconds later)
                 health = await client.get("/health")
