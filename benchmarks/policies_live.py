@@ -125,7 +125,8 @@ def run_urgent(
     a: argparse.Namespace, tok: object, shape: list[str], out_dir: Path, rate: float
 ) -> list[str]:
     """priority: urgent (priority-0) TTFT alone, then inside a saturating priority-1 stream."""
-    peer = LaunchedPeer("headrace", f"--policy priority {a.serve_args}", out_dir)
+    wait = "" if a.urgent_wait is None else f" --urgent-wait {a.urgent_wait}"
+    peer = LaunchedPeer("headrace", f"--policy priority {a.serve_args}{wait}", out_dir)
     n = max(8, round(a.requests * a.urgent_share))
     try:
         peer.wait_ready(600)
@@ -167,6 +168,7 @@ def main() -> int:
     p.add_argument("--tenants", default="heavy:10,a:1,b:1,c:1")
     p.add_argument("--urgent-share", type=float, default=0.1)
     p.add_argument("--urgent-load", type=float, default=1.5, help="offered load / saturation")
+    p.add_argument("--urgent-wait", type=float, help="the priority daemon's --urgent-wait")
     a = p.parse_args()
     parts = set(a.only.split(","))
     m = machine_description()
