@@ -127,5 +127,7 @@ def _serve(spec: WorkerSpec) -> None:
     while True:
         words = ring.read(spec.rank, parent_alive)
         if message_kind(words) == STOP:
+            if shm is not None:  # before the frame's locals go in any order (BufferError)
+                shm.close()
             return
         shard.run(StepInput.decode(words))
