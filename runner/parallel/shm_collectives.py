@@ -73,6 +73,11 @@ class ShmCollectives:
     def name(self) -> str:
         return self.shm.name
 
+    @property
+    def calls(self) -> int:
+        """Collectives that went through shared memory so far."""
+        return self._k
+
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
 
