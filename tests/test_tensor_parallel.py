@@ -24,6 +24,7 @@ from grammars import GrammarSpec
 from runner.loaders.hf_loader import HFDirectory
 from runner.model_config import ModelConfig
 from runner.model_runner import kv_bytes_per_block
+from runner.parallel import driver
 from runner.parallel.ring import ShmRing
 from runner.parallel.sharding import (
     HeadSplit,
@@ -150,7 +151,12 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
         ("llama-plain", dict(num_key_value_heads=1, vocab_size=317, tie_word_embeddings=True)),
     ],
 )
-def test_tp2_greedy_equals_tp1_with_chunks_prefix_hits_and_preemption(kind, overrides, tmp_path):
+def test_tp2_greedy_equals_tp1_with_chunks_prefix_hits_and_preemption(
+    kind, overrides, tmp_path, monkeypatch
+):
+    # Shared slots of 512 bytes: decode rows go through shared memory, prefill chunks and the
+    # logits gather through gloo; every rank must pick the same path for each collective.
+    monkeypatch.setattr(driver, "SHM_SLOT_BYTES", 512)
     make_tiny_hf_model(kind, tmp_path, **overrides)
     ps = prompts(6, overrides["vocab_size"])
     cfg = dict(block_size=4, max_num_batched_tokens=24, long_prefill_token_threshold=7)
@@ -166,6 +172,9 @@ def test_tp2_greedy_equals_tp1_with_chunks_prefix_hits_and_preemption(kind, over
             # Rank 0 holds its share of the MLP, not the whole of it.
             assert e.model.layers[0].mlp.down_proj.in_features == 96 // tp
             outs.append([c.token_ids for c in e.generate(ps, GREEDY)])
+            if tp == 2:
+                group = e.tp_driver.tp
+                assert group.shm is not None and 0 < group.shm.calls < group.comm_calls
             preemptions.append(e.scheduler.num_preemptions)
             hits.append(e.stats().prefix_hit_rate)
             e.kv.check_integrity()
@@ -215,6 +224,9 @@ def test_embedded_smollm_tp2_equals_tp1(smollm):
         # Rank 0 holds one of SmolLM2's three KV heads and half the vocabulary.
         assert e.model.local_config.num_key_value_heads == 1
         assert e.model.embed_tokens.weight.shape[0] == smollm.config.vocab_size // 2
+        # Every collective fitted the shared slots: none went through gloo.
+        group = e.tp_driver.tp
+        assert group.shm is not None and group.shm.calls == group.comm_calls > 0
     finally:
         e.close()
     assert got == want

@@ -32,11 +32,17 @@ from runner.model_source import ModelSource
 from runner.parallel.group import TensorParallel
 from runner.parallel.ring import ShmRing
 from runner.parallel.sharding import cores_of_rank
+from runner.parallel.shm_collectives import ShmCollectives
 from runner.parallel.step import CacheSpec, StepInput, stop_message
 from runner.parallel.worker import WorkerSpec, worker_main
 from runner.platform import Platform
 
 log = logging.getLogger("headrace.tp")
+
+
+# Each rank's shared slot for one collective: [rows, hidden] activations up to this size go
+# through shared memory, larger ones (long prefill chunks of wide models) through gloo.
+SHM_SLOT_BYTES = 8 << 20
 
 
 class WorkerFailure(RuntimeError):
@@ -72,6 +78,9 @@ class TensorParallelDriver:
         self._closing = False
         backend = "nccl" if platform.device.type == "cuda" else "gloo"
         self.ring = ShmRing.create(world_size - 1, slot_bytes)
+        self.shm = ShmCollectives.create(world_size, SHM_SLOT_BYTES) if backend == "gloo" else None
+        if self.shm is not None:
+            self.shm.alive = self.alive
         self._store = tempfile.mkdtemp(prefix="headrace-tp-")
         init_method = f"file://{self._store}/rendezvous"
         cores = sorted(os.sched_getaffinity(0))
@@ -82,7 +91,8 @@ class TensorParallelDriver:
             mine = tuple(cores_of_rank(cores, rank, world_size))
             spec = WorkerSpec(rank, world_size, init_method, backend, timeout_s, mine,
                               threads or len(mine), source, platform, lookup, self.ring.name,
-                              self.ring.slots, self.ring.slot_bytes, os.getpid())  # fmt: skip
+                              self.ring.slots, self.ring.slot_bytes, os.getpid(),
+                              self.shm.name if self.shm else None, SHM_SLOT_BYTES)  # fmt: skip
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"headrace-tp{rank}")
             proc.daemon = True
             proc.start()
@@ -95,7 +105,7 @@ class TensorParallelDriver:
         torch.set_num_threads(threads or len(self.cores))
         threading.Thread(target=self._watch, name="headrace-tp-watch", daemon=True).start()
         try:
-            self.tp = TensorParallel.init(0, world_size, init_method, backend, timeout_s)
+            self.tp = TensorParallel.init(0, world_size, init_method, backend, timeout_s, self.shm)
         except Exception as e:
             self.close()
             raise WorkerFailure(f"tensor-parallel group did not form: {e}") from e
@@ -157,6 +167,8 @@ class TensorParallelDriver:
         if hasattr(self, "tp"):
             self.tp.close()
         self.ring.close(unlink=True)
+        if self.shm is not None:
+            self.shm.close(unlink=True)
         shutil.rmtree(self._store, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, self._old_affinity)

@@ -3,6 +3,8 @@
 Every rank calls the same collectives in the same order (the same forward on its shard);
 a rank that dies or hangs makes the others' collective fail within `timeout` seconds
 (gloo: at once when the peer's socket closes, else at the timeout), never a silent hang.
+CPU ranks on one host pass their collectives through shared memory (shm_collectives.py);
+gloo then only forms the group and carries collectives too large for the shared slots.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runner.parallel.sharding import vocab_per_rank
+from runner.parallel.shm_collectives import ShmCollectives
 
 
 @dataclass(slots=True)
@@ -24,6 +27,7 @@ class TensorParallel:
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
+    shm: ShmCollectives | None = None
     # Seconds spent in collectives (waiting for the slowest rank included) and their count:
     # benchmarks/tensor_parallel.py reads them per step.
     comm_s: float = 0.0
@@ -31,9 +35,16 @@ class TensorParallel:
 
     @classmethod
     def init(
-        cls, rank: int, world_size: int, init_method: str, backend: str, timeout_s: float
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        backend: str,
+        timeout_s: float,
+        shm: ShmCollectives | None = None,
     ) -> TensorParallel:
-        """Join the group (blocks until every rank has joined)."""
+        """Join the group (blocks until every rank has joined); `shm`: every rank's shared
+        slots, when all ranks are CPU processes on this host."""
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -41,12 +52,17 @@ class TensorParallel:
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        return cls(rank, world_size, dist.group.WORLD)
+        if shm is not None:
+            shm.timeout_s = timeout_s
+        return cls(rank, world_size, dist.group.WORLD, shm)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x` (the row-parallel layers' partial products), in place."""
         start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
         return x
@@ -58,8 +74,13 @@ class TensorParallel:
             local = torch.nn.functional.pad(local, (0, per - local.shape[-1]))
         local = local.contiguous()
         start = time.perf_counter()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)] if not self.rank else None
-        dist.gather(local, parts, dst=0, group=self.group)
+        if self.shm is not None and self.shm.fits(local):
+            parts = self.shm.gather(local)
+        else:
+            parts = (
+                [torch.empty_like(local) for _ in range(self.world_size)] if not self.rank else None
+            )
+            dist.gather(local, parts, dst=0, group=self.group)
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
         return None if parts is None else torch.cat(parts, dim=-1)[..., :vocab]

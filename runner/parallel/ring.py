@@ -28,7 +28,7 @@ class RingTimeout(TimeoutError):
     """A peer did not keep up within the deadline (dead or hung)."""
 
 
-def _wait(ready: Callable[[], bool], deadline: float | None, alive: Callable[[], bool]) -> None:
+def spin_wait(ready: Callable[[], bool], deadline: float | None, alive: Callable[[], bool]) -> None:
     """Spin briefly (a step follows a step within microseconds), then yield, then sleep:
     an idle ring costs next to nothing, and the first step after idle waits <= 1 ms."""
     spins = 0
@@ -91,7 +91,7 @@ class ShmRing:
             )
         m = int(self._counters[0])
         consumed = self._counters[1:]
-        _wait(lambda: int(consumed.min()) > m - self.slots, time.monotonic() + timeout, alive)
+        spin_wait(lambda: int(consumed.min()) > m - self.slots, time.monotonic() + timeout, alive)
         at = self._slot(m)
         buf = self.shm.buf
         np.ndarray((1,), np.int64, buf, at)[0] = data.nbytes
@@ -101,7 +101,7 @@ class ShmRing:
     def read(self, reader: int, alive: Callable[[], bool] = lambda: True) -> np.ndarray:
         """The next message for reader `reader` (1-based), as int32 words (a copy)."""
         m = int(self._counters[reader])
-        _wait(lambda: int(self._counters[0]) > m, None, alive)
+        spin_wait(lambda: int(self._counters[0]) > m, None, alive)
         at = self._slot(m)
         nbytes = int(np.ndarray((1,), np.int64, self.shm.buf, at)[0])
         words = np.frombuffer(self.shm.buf, np.int32, nbytes // 4, at + _SLOT_HEADER).copy()

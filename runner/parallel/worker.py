@@ -24,6 +24,7 @@ from runner.device_queue import to_device
 from runner.model_source import ModelSource
 from runner.parallel.group import TensorParallel
 from runner.parallel.ring import ShmRing
+from runner.parallel.shm_collectives import ShmCollectives
 from runner.parallel.step import STOP, CacheSpec, StepInput, message_kind
 from runner.platform import Platform
 
@@ -48,6 +49,8 @@ class WorkerSpec:
     ring_slots: int
     ring_slot_bytes: int
     parent_pid: int
+    shm_name: str | None = None  # the shared collectives' segment (CPU ranks), else gloo/NCCL
+    shm_slot_bytes: int = 0
 
 
 class ShardRunner:
@@ -100,15 +103,21 @@ def _serve(spec: WorkerSpec) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", spec.rank)
         torch.cuda.set_device(device)
+
+    def parent_alive() -> bool:
+        return os.getppid() == spec.parent_pid
+
+    shm = None
+    if spec.shm_name is not None:
+        shm = ShmCollectives.attach(spec.shm_name, spec.rank, spec.world_size,
+                                    spec.shm_slot_bytes)  # fmt: skip
+        shm.alive = parent_alive
     tp = TensorParallel.init(
-        spec.rank, spec.world_size, spec.init_method, spec.backend, spec.timeout_s
+        spec.rank, spec.world_size, spec.init_method, spec.backend, spec.timeout_s, shm
     )
     model, _ = load_model(spec.source, device, spec.platform.dtype, spec.lookup, tp=tp)
     ring = ShmRing.attach(spec.ring_name, spec.world_size - 1, spec.ring_slots,
                           spec.ring_slot_bytes)  # fmt: skip
-
-    def parent_alive() -> bool:
-        return os.getppid() == spec.parent_pid
 
     cache = CacheSpec.decode(ring.read(spec.rank, parent_alive), BACKENDS)
     spec.platform.prepare_as(model, cache.small_rows, cache.min_rows)
@@ -118,5 +127,7 @@ def _serve(spec: WorkerSpec) -> None:
     while True:
         words = ring.read(spec.rank, parent_alive)
         if message_kind(words) == STOP:
+            if shm is not None:  # before the frame's locals go in any order (BufferError)
+                shm.close()
             return
         shard.run(StepInput.decode(words))
