@@ -212,6 +212,27 @@ def test_grammar_and_speculation_under_tp2(smol_tiny):
     assert tok.decode(got[1], skip_special_tokens=True) in choices
 
 
+async def test_batch_queue_overlap_under_tp2_equals_tp1(smol_tiny):
+    # With overlap the next step is scheduled (and published on the ring) while the workers
+    # still run the one before: the ring must deliver steps in order, one behind another.
+    ps = prompts(6, 300, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with engine(smol_tiny, 1, kv_cache_memory=4 << 20) as e:
+        want = [c.token_ids for c in e.generate(ps, params)]
+    with engine(smol_tiny, 2, kv_cache_memory=4 << 20, max_num_batched_tokens=16) as e:
+        client = AsyncEngine(e, overlap=True)
+        try:
+
+            async def one(p: list[int]) -> list[int]:
+                return [t async for d in client.generate(p, params) for t in d.new_token_ids]
+
+            got = await asyncio.gather(*map(one, ps))
+            assert client.depth == 2 and client.num_steps > 0
+        finally:
+            await client.stop()
+    assert list(got) == want
+
+
 def test_embedded_smollm_tp2_equals_tp1(smollm):
     prompts_text = ("The capital of France is", "def fibonacci(n):")
     ids = [smollm.tokenizer.encode(p) for p in prompts_text]
