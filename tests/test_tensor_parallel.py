@@ -304,6 +304,38 @@ async def test_killed_worker_fails_requests_and_health_reports_it(smol_tiny):
         e.close()
 
 
+async def test_hung_worker_fails_requests_within_the_collective_timeout(smol_tiny):
+    import os
+    import signal
+
+    e = Engine(
+        EngineConfig(
+            model=str(smol_tiny),
+            device="cpu",
+            dtype="float32",
+            tensor_parallel_size=2,
+            tensor_parallel_timeout=3.0,
+            kv_cache_memory=4 << 20,
+        )
+    )
+    engine_client = AsyncEngine(e, overlap=False)
+    worker = e.tp_driver.procs[0]
+    try:
+        params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+        stream = engine_client.add_request([5, 6, 7], params)
+        first = await anext(stream)
+        assert first.new_token_ids
+        os.kill(worker.pid, signal.SIGSTOP)  # alive but silent: only the timeout can tell
+        async with asyncio.timeout(30):
+            deltas = [d async for d in stream]
+        assert deltas[-1].finish_reason == "error"
+        assert engine_client.failure is not None or e.fatal is not None
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        await engine_client.stop(wait=False)
+        e.close()
+
+
 def test_daemon_exits_1_when_a_worker_dies(smol_tiny, tmp_path):
     """systemd's Restart= then starts a whole new group: a lost rank is never a silent hang."""
     import os
