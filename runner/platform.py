@@ -159,15 +159,7 @@ class Platform:
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Convert the loaded model's linear layers to the chosen format (once)."""
-        counts = pack_linears(
-            model,
-            self.weight_format,
-            self.int8_kernel,
-            self.int8_reduce_range,
-            self.float_format,
-            self.small_batch_int8,
-            self.batched_int8,
-        )
+        counts = self._pack(model, self.batched_int8)
         log.info("linear layers by format: %s", counts)
         if self.deterministic:
             from runner.batch_invariance import measure_min_rows
@@ -196,17 +188,22 @@ class Platform:
             self.small_rows = choice.small_rows
             self.reasons.append(choice.describe())
 
-    def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
-        """Convert a tensor-parallel worker's shard as rank 0 did, with rank 0's measured
-        figures: every rank takes the same linear path for the same step."""
-        pack_linears(
+    def _pack(self, model: torch.nn.Module, batched_int8: str | None) -> dict[str, int]:
+        return pack_linears(
             model,
             self.weight_format,
             self.int8_kernel,
             self.int8_reduce_range,
             self.float_format,
             self.small_batch_int8,
+            batched_int8,
         )
+
+    def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
+        """Convert a tensor-parallel worker's shard as rank 0 did, with rank 0's measured
+        figures: every rank takes the same linear path for the same step (no batched int8
+        copies: their choice is not passed on)."""
+        self._pack(model, None)
         self.small_rows, self.min_rows = small_rows, min_rows
         for m in model.modules():
             if isinstance(m, Linear):
