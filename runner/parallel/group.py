@@ -19,6 +19,10 @@ import torch.distributed as dist
 from runner.parallel.sharding import vocab_per_rank
 from runner.parallel.shm_collectives import ShmCollectives
 
+# Forming the group waits for every worker to spawn, import torch and load its shard: on a
+# busy 2-core machine that alone can pass a short collective timeout, so joining gets its own.
+JOIN_TIMEOUT_S = 180.0
+
 
 @dataclass(slots=True)
 class TensorParallel:
@@ -43,18 +47,20 @@ class TensorParallel:
         timeout_s: float,
         shm: ShmCollectives | None = None,
     ) -> TensorParallel:
-        """Join the group (blocks until every rank has joined); `shm`: every rank's shared
-        slots, when all ranks are CPU processes on this host."""
+        """Join the group (blocks until every rank has joined, up to JOIN_TIMEOUT_S); `shm`:
+        every rank's shared slots, when all ranks are CPU processes on this host. Collectives
+        then run on a group of the same ranks whose timeout is `timeout_s`."""
         dist.init_process_group(
             backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)),
         )
+        group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s))
         if shm is not None:
             shm.timeout_s = timeout_s
-        return cls(rank, world_size, dist.group.WORLD, shm)
+        return cls(rank, world_size, group, shm)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x` (the row-parallel layers' partial products), in place."""
