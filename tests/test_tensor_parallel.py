@@ -354,3 +354,15 @@ def test_daemon_exits_1_when_a_worker_dies(smol_tiny, tmp_path):
         assert "tensor-parallel worker" in daemon.log.read_text()
     finally:
         daemon.stop()
+
+
+def test_a_dead_worker_fails_the_join_at_once_not_at_the_join_timeout(tmp_path):
+    """Rank 0 waits for its workers to check in; one that has died ends the wait now."""
+    import time
+
+    from runner.parallel.group import JOIN_TIMEOUT_S, TensorParallel
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited before it joined"):
+        TensorParallel.init(0, 2, f"file://{tmp_path}/rendezvous", "gloo", 3.0, alive=lambda: False)
+    assert time.monotonic() - start < min(5.0, JOIN_TIMEOUT_S)

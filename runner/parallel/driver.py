@@ -105,7 +105,9 @@ class TensorParallelDriver:
         torch.set_num_threads(threads or len(self.cores))
         threading.Thread(target=self._watch, name="headrace-tp-watch", daemon=True).start()
         try:
-            self.tp = TensorParallel.init(0, world_size, init_method, backend, timeout_s, self.shm)
+            self.tp = TensorParallel.init(
+                0, world_size, init_method, backend, timeout_s, self.shm, self.alive
+            )
         except Exception as e:
             self.close()
             raise WorkerFailure(f"tensor-parallel group did not form: {e}") from e

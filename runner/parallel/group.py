@@ -10,6 +10,7 @@ gloo then only forms the group and carries collectives too large for the shared 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,8 +21,22 @@ from runner.parallel.sharding import vocab_per_rank
 from runner.parallel.shm_collectives import ShmCollectives
 
 # Forming the group waits for every worker to spawn, import torch and load its shard: on a
-# busy 2-core machine that alone can pass a short collective timeout, so joining gets its own.
+# busy 2-core machine that alone can pass a short collective timeout, so joining gets its own
+# (rank 0 stops waiting at once when a worker has died: see _wait_for_ranks).
 JOIN_TIMEOUT_S = 180.0
+
+
+def _wait_for_ranks(store: dist.FileStore, world_size: int, alive: Callable[[], bool]) -> None:
+    """Rank 0, before gloo's own join (which no dead peer can cut short): every rank has
+    checked in, or the first dead worker fails the join now rather than at the timeout."""
+    keys = [f"headrace/joining/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not store.check(keys):
+        if not alive():
+            raise RuntimeError("a worker exited before it joined")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the workers did not join within {JOIN_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
 
 
 @dataclass(slots=True)
@@ -46,13 +61,19 @@ class TensorParallel:
         backend: str,
         timeout_s: float,
         shm: ShmCollectives | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> TensorParallel:
         """Join the group (blocks until every rank has joined, up to JOIN_TIMEOUT_S); `shm`:
         every rank's shared slots, when all ranks are CPU processes on this host. Collectives
-        then run on a group of the same ranks whose timeout is `timeout_s`."""
+        then run on a group of the same ranks whose timeout is `timeout_s`. `alive`: rank 0's
+        check that its workers still run."""
+        store = dist.FileStore(init_method.removeprefix("file://"), world_size)
+        store.set(f"headrace/joining/{rank}", "1")
+        if alive is not None:
+            _wait_for_ranks(store, world_size, alive)
         dist.init_process_group(
             backend,
-            init_method=init_method,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)),
