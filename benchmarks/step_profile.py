@@ -7,6 +7,13 @@ For each batch size, starts that many requests (64-token prompts), prefills them
 times `--steps` decode steps of the real Engine. Each part is timed by wrapping the function
 that does it (wall clock, per step, median over steps); "python/other" is what is left of
 the step: the scheduler, the runner's bookkeeping, detokenisation and glue.
+
+Each batch size runs twice, side by side: layer by layer (`layers`, every op called from
+Python) and with the decoder stack as one C++ call where the step qualifies (`fused`,
+runner/models/fused_decode.py; its time is "fused_layers"). The memory roofline is the
+bytes a step must read (each linear's weights in the format it takes at that batch size,
+plus the KV cache the step attends) over this machine's measured read bandwidth; the
+fraction printed is roofline / step.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from daemon.engine.loaded_model import LoadedModel
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_runner import ModelRunner
+from runner.models.fused_decode import FusedDecode
 from scheduling import SamplingParams
 
 TIMES: dict[str, float] = collections.defaultdict(float)
@@ -55,6 +63,7 @@ def instrumented() -> Iterator[None]:
         (CpuKernelAttentionBackend, "write_kv", "write_kv"),
         (ModelRunner, "_sample", "sample"),
         (Linear, "forward", "linear"),
+        (FusedDecode, "__call__", "fused_layers"),
     ]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     for (owner, attr, fn), (_, _, label) in zip(saved, patches, strict=True):
@@ -66,7 +75,43 @@ def instrumented() -> Iterator[None]:
             setattr(owner, attr, fn)
 
 
-def profile(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[str, float]:
+def read_bandwidth() -> float:
+    """Bytes a second all threads read from memory: the best of a few sums over 512 MB."""
+    x = torch.ones(128 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best
+
+
+def weight_bytes(m: Linear, rows: int) -> int:
+    """The bytes of weights `m` reads for a call of `rows` rows (the copy it takes then)."""
+    if m._small is not None and rows <= m.small_rows:
+        return m._small.weight.numel() + m._small.scale.numel() * 4
+    if m._batched is not None and rows <= m.batched_rows:
+        return m._batched.packed.numel() + m._batched.scale.numel() * 8
+    if m.format == "onednn":
+        return m.out_features * m.in_features * 2
+    if m.format == "int8":
+        return m.out_features * m.in_features
+    return m.weight.numel() * m.weight.element_size()
+
+
+def step_bytes(loaded: LoadedModel, batch: int, context: int) -> int:
+    """Weights plus the KV cache a decode step of `batch` requests of `context` keys reads."""
+    model = loaded.model
+    weights = sum(weight_bytes(m, batch) for m in model.modules() if isinstance(m, Linear))
+    cfg = model.config
+    elt = torch.empty(0, dtype=loaded.dtype).element_size()
+    kv = batch * context * 2 * cfg.kv_size * cfg.num_hidden_layers * elt
+    return weights + kv
+
+
+def profile(
+    loaded: LoadedModel, args: argparse.Namespace, batch: int, fused: bool
+) -> dict[str, float]:
     engine = Engine(
         EngineConfig(
             threads=args.threads,
@@ -76,6 +121,9 @@ def profile(loaded: LoadedModel, args: argparse.Namespace, batch: int) -> dict[s
         ),
         loaded,
     )
+    # The runner decided with its backend (set_attention_backend); `layers` overrides it.
+    if not fused:
+        loaded.model.fused_decode = None
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + 13 * j) % 40_000 + 100 for j in range(64)] for i in range(batch)]
     for p in prompts:
@@ -115,20 +163,35 @@ def main() -> None:
     assert loaded.platform is not None
     print(loaded.platform.describe())
     print(f"attention backend: {args.attention_backend}")
-    parts = ["linear", "paged_attention", "write_kv", "build_metadata", "sample"]
-    result = []
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    parts = ["fused_layers", "linear", "paged_attention", "write_kv", "build_metadata", "sample"]
+    ratios, figures = [], []
     for batch in args.batch:
-        t = profile(loaded, args, batch)
-        other = t["step"] - sum(t.get(p, 0.0) for p in parts)
-        print(f"batch {batch}: step {t['step']:.2f} ms (median of {args.steps})")
-        for p in parts:
-            print(f"  {p:16s} {t.get(p, 0.0):7.2f} ms  {t.get(p, 0.0) / t['step']:5.1%}")
-        print(f"  {'python/other':16s} {other:7.2f} ms  {other / t['step']:5.1%}")
-        result.append(
-            f"bs{batch}_step_ms={t['step']:.2f} bs{batch}_tok_s={batch / t['step'] * 1e3:.1f}"
-        )
-    print(f"RESULT {' '.join(result)} threads={torch.get_num_threads()} "
-          f"weights={loaded.platform.weight_format} dtype={loaded.dtype}")  # fmt: skip
+        runs = {"layers": profile(loaded, args, batch, False)}
+        runs["fused"] = profile(loaded, args, batch, True)
+        # Keys attended, averaged over the timed steps: the 64-token prompt plus the decodes.
+        read = step_bytes(loaded, batch, 64 + 1 + args.steps // 2)
+        roofline = read / bandwidth * 1e3
+        print(f"batch {batch}: reads {read / 1e6:.1f} MB a step -> roofline {roofline:.2f} ms")
+        print(f"  {'ms a step':16s} {'layers':>16s} {'fused':>16s}")
+        for name in [*parts, "python/other", "step"]:
+            cells = []
+            for t in runs.values():
+                other = t["step"] - sum(t.get(p, 0.0) for p in parts)
+                v = other if name == "python/other" else t.get(name, 0.0)
+                cells.append(f"{v:7.2f} {v / t['step']:6.1%}  ")
+            print(f"  {name:16s} {''.join(cells)}")
+        layers, fused = runs["layers"]["step"], runs["fused"]["step"]
+        print(f"  of the roofline: layers {roofline / layers:.1%}, fused {roofline / fused:.1%}")
+        ratios.append(f"bs{batch}_fused_vs_layers={layers / fused:.3f} "
+                      f"bs{batch}_roofline_frac={roofline / fused:.3f}")  # fmt: skip
+        figures.append(f"bs{batch}_step_ms={fused:.2f} bs{batch}_layers_step_ms={layers:.2f} "
+                       f"bs{batch}_tok_s={batch / fused * 1e3:.1f} "
+                       f"bs{batch}_roofline_ms={roofline:.2f}")  # fmt: skip
+    print(f"RESULT {' '.join(ratios)} {' '.join(figures)} threads={torch.get_num_threads()} "
+          f"read_gb_s={bandwidth / 1e9:.1f} weights={loaded.platform.weight_format} "
+          f"dtype={loaded.dtype}")  # fmt: skip
 
 
 if __name__ == "__main__":

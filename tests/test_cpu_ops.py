@@ -353,11 +353,13 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
 def test_the_avx2_build_passes_these_tests_too(tmp_path):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
-    # Here the same tests (and the LoRA kernel's) run in a fresh process on a build without AVX-512.
+    # Here the same tests (and the LoRA kernel's and the fused decoder's) run in a fresh
+    # process on a build without AVX-512.
     env = {**os.environ, EXTRA_CFLAGS_ENV: "-mno-avx512f", "HEADRACE_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         __file__.replace("test_cpu_ops.py", "test_lora_ops.py"), "-k", "not avx2_build"],
+         __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
+         __file__.replace("test_cpu_ops.py", "test_fused_decode.py"), "-k", "not avx2_build"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

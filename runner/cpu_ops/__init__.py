@@ -12,6 +12,8 @@ torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementw
 torch.ops.headrace.lora_delta_(y, x, a, bt, rows, starts, slots, width)   (lora.cpp)
 torch.ops.headrace.batched_int8_pack(q) / batched_int8_linear(x, packed, scale, colsum, bias,
     n, kernel) / batched_int8_kernels()   (8-64 rows without AMX: "dot" or "widen")
+torch.ops.headrace.decode_layers(x, weights, kv_caches, cos, sin, slots, tables, lens, ...)
+    (every decoder layer of a few-row decode step in one call: fused_decode.cpp)
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -48,8 +50,9 @@ SOURCES = (
     "vec_attention.cpp",
     "lora.cpp",
     "batched_int8.cpp",
+    "fused_decode.cpp",
 )
-HEADERS = ("vec.h", "amx.h")
+HEADERS = ("vec.h", "amx.h", "ops.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # Appended to CFLAGS (and to the build key): `-mno-avx512f` builds the AVX2 paths on an
 # AVX-512 machine, which is how the tests cover both on one CPU.

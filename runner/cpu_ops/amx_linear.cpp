@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "amx.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -203,6 +204,14 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
 }
 
 }  // namespace
+
+// For C++ callers (ops.h): the op above, outside this file's anonymous namespace.
+namespace headrace::ops {
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, int64_t n_dim) {
+  return ::amx_int8_linear(x, tiles, scale, bias, n_dim);
+}
+}  // namespace headrace::ops
 
 TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def("amx_pack_int8(Tensor qweight) -> Tensor");

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -424,6 +425,16 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 }  // namespace
+
+// For C++ callers (ops.h): the op above, outside this file's anonymous namespace.
+namespace headrace::ops {
+at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scale, const at::Tensor& colsum,
+                               const c10::optional<at::Tensor>& bias, int64_t n_dim,
+                               const std::string& kernel) {
+  return ::batched_int8_linear(x, packed, scale, colsum, bias, n_dim, kernel);
+}
+}  // namespace headrace::ops
 
 TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def("batched_int8_pack(Tensor q) -> Tensor");

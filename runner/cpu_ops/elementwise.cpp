@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -167,6 +168,11 @@ void check_float(const at::Tensor& t, const char* what) {
     __VA_ARGS__();                                    \
   }
 
+}  // namespace
+
+// The ops, also called from C++ by fused_decode.cpp (declared in ops.h).
+namespace headrace::ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float(x, "rms_norm");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1) &&
@@ -211,7 +217,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   HEADRACE_DISPATCH(x.scalar_type(), [&] { rotary_impl<scalar_t>(x, cos, sin); });
 }
 
-}  // namespace
+}  // namespace headrace::ops
 
 TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -221,8 +227,8 @@ TORCH_LIBRARY_FRAGMENT(headrace, m) {
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("rms_norm", &headrace::ops::rms_norm);
+  m.impl("add_rms_norm_", &headrace::ops::add_rms_norm_);
+  m.impl("silu_and_mul", &headrace::ops::silu_and_mul);
+  m.impl("rotary_", &headrace::ops::rotary_);
 }

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -114,6 +115,11 @@ void run(const float* x, int64_t rows, int64_t k_dim, const int8_t* q, const flo
   });
 }
 
+}  // namespace
+
+// The ops, also called from C++ by fused_decode.cpp (declared in ops.h).
+namespace headrace::ops {
+
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2, "x [M, K], qweight [N, K]");
@@ -153,10 +159,10 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
-}  // namespace
+}  // namespace headrace::ops
 
 TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def("int8_weight_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(headrace, CPU, m) { m.impl("int8_weight_linear", &int8_weight_linear); }
+TORCH_LIBRARY_IMPL(headrace, CPU, m) { m.impl("int8_weight_linear", &headrace::ops::int8_weight_linear); }

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -249,6 +250,11 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   });
 }
 
+}  // namespace
+
+// The ops, also called from C++ by fused_decode.cpp (declared in ops.h).
+namespace headrace::ops {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale) {
@@ -328,7 +334,7 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-}  // namespace
+}  // namespace headrace::ops
 
 TORCH_LIBRARY(headrace, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
@@ -336,6 +342,6 @@ TORCH_LIBRARY(headrace, m) {
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("write_kv_", &write_kv_);
+  m.impl("paged_decode_attention", &headrace::ops::paged_decode_attention);
+  m.impl("write_kv_", &headrace::ops::write_kv_);
 }

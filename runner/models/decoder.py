@@ -18,6 +18,7 @@ from runner.attention import AttentionMetadata
 from runner.attention_backends import AttentionBackend, TorchAttentionBackend
 from runner.layers.linear import Linear
 from runner.model_config import ModelConfig
+from runner.models.fused_decode import FusedDecode
 from runner.models.rope import RopeAt, RotaryEmbedding
 from runner.parallel.group import TensorParallel
 from runner.parallel.layers import VocabParallelEmbedding
@@ -192,6 +193,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        # Few-row decode steps as one C++ call, where every layer qualifies (set with the
+        # attention backend: runner/models/fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -203,6 +207,9 @@ class DecoderForCausalLM(nn.Module):
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.at(positions)
+        if self.fused_decode is not None and self.fused_decode.takes(meta):
+            x, residual = self.fused_decode(x, rope, kv_caches, meta)
+            return self.norm.add_forward(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
@@ -222,6 +229,12 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fused = fused
+        self.refresh_fused_decode()
+
+    def refresh_fused_decode(self) -> None:
+        """Decide again whether few-row decode steps run as one C++ call: after anything
+        that changes the layers' kernels (formats, small-batch copies, LoRA wrappers)."""
+        self.fused_decode = FusedDecode.build(list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample. Under tensor
