@@ -22,6 +22,7 @@ from runner.batched_rows import choose, measure_batched_rows
 from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
 from runner.layers.batched_int8 import BatchedInt8, batched_kernels
 from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8, pack_linears
+from runner.models.fused_decode import DOT, WIDEN, FusedDecode
 from scheduling import SamplingParams
 
 X86 = platform.machine() == "x86_64"
@@ -199,6 +200,17 @@ def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch
         return call(self, x, bias)
 
     monkeypatch.setattr(BatchedInt8, "__call__", counted)
+    # Decode-only steps run the layers as one C++ call (runner/models/fused_decode.py), which
+    # takes each Linear's kernel from C++: their kinds are counted from its plan.
+    fused_call = FusedDecode.__call__
+    names = {DOT: "dot", WIDEN: "widen"}
+
+    def fused_counted(self, x, rope, kv_caches, meta):
+        kinds = self.plan(meta.num_tokens)[1]
+        rows.extend((names[k], x.shape[0]) for k in set(kinds) if k in names)
+        return fused_call(self, x, rope, kv_caches, meta)
+
+    monkeypatch.setattr(FusedDecode, "__call__", fused_counted)
     fast = dataclasses.replace(smollm, model=model, platform=None)
     engine = engine_for(fast, max_num_seqs=16)
     got = [c.token_ids for c in engine.generate(prompts, params)]

@@ -152,6 +152,11 @@ def test_layers_that_take_other_kernels_keep_the_layer_path():
     model = build(torch.float32)
     model.set_attention_backend(TorchAttentionBackend())
     assert model.fused_decode is None
+    model = build(torch.float32)
+    # A module around a Linear (as LoRA's wrappers are) computes in Python: no fusing.
+    model.layers[1].self_attn.o_proj = torch.nn.Sequential(model.layers[1].self_attn.o_proj)
+    model.refresh_fused_decode()
+    assert model.fused_decode is None
 
 
 def test_bad_arguments_are_refused():
@@ -167,8 +172,9 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="unknown linear kind 9"):
         torch.ops.headrace.decode_layers(
             torch.zeros(1, 256), weights, [9] * len(kinds), kv, torch.zeros(1, 64),
-            torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
-            torch.ones(1, dtype=torch.long), 4, 2, 64, 1e-6, 0.125,
+            torch.zeros(1, 64), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 3, dtype=torch.long), torch.ones(1, dtype=torch.long),
+            4, 2, 64, 1e-6, 0.125,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="block id out of range"):
         torch.ops.headrace.decode_layers(

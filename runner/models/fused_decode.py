@@ -83,10 +83,11 @@ class FusedDecode:
                 return None
             if not (mlp.fused and attn.fused_rope and attn.backend.name == "cpu"):
                 return None
-            if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None:
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(m) is not Linear for m in linears):
+                return None  # LoRA wrappers add their deltas in Python
+            if any(m.bias is not None for m in linears[1:]):
                 return None  # decode_layers passes no bias there (no Llama-family model has one)
-            if mlp.down_proj.bias is not None:
-                return None
         return cls(layers)
 
     def plan(self, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
