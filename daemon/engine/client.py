@@ -91,6 +91,8 @@ class KVConnectorStats:
     saved_bytes: int = 0
     # Loads that got less than asked, by kind: corrupt, missing, peer_down (or error).
     failures: dict[str, int] = field(default_factory=dict)
+    # Peer replies that brought blocks, by the path they came: shm or socket (consumer).
+    transfers: dict[str, int] = field(default_factory=dict)
     # Bytes the connector's store holds now (the disk tier's files, a producer's RAM).
     store_bytes: int = 0
     # Seconds from a load's start to its blocks in the paged cache, since the last read.

@@ -13,7 +13,8 @@ from kvcache.connectors.base import (
 )
 from kvcache.connectors.disk_store import DiskStore
 from kvcache.connectors.lookups import StoreLookup
-from kvcache.connectors.peer_wire import PeerServer, PeerStore
+from kvcache.connectors.peer_store import PeerStore
+from kvcache.connectors.peer_wire import PeerServer
 from kvcache.connectors.stores import BlockStore, MemoryStore
 
 __all__ = [

@@ -40,6 +40,7 @@ class PeerConnector:
     block in a bounded in-memory store, served on `ctx.peer`. consumer: for every prompt,
     pulls the blocks after its own prefix hit from the producer at `ctx.peer`, then decodes;
     whatever does not arrive intact (dead producer, evicted blocks) it computes itself.
+    On a Unix socket the blocks go through shared memory unless `ctx.peer_shm` is off.
     """
 
     name: ClassVar[str] = "peer"
@@ -55,11 +56,11 @@ class PeerConnector:
         self.server: PeerServer | None = None
         if ctx.role == "producer":
             store = MemoryStore(ctx.layout, ctx.payload_len, ctx.store_bytes)
-            self.server = PeerServer(ctx.peer, store)
+            self.server = PeerServer(ctx.peer, store, shm=ctx.peer_shm)
             self.scheduler = StoreLookup(ctx.layout, _NothingToLoad())
             self.worker = StoreWorker(ctx, store, sync_saves=True)
         else:
-            remote = PeerStore(ctx.peer, ctx.layout, ctx.payload_len)
+            remote = PeerStore(ctx.peer, ctx.layout, ctx.payload_len, shm=ctx.peer_shm)
             self.scheduler = StoreLookup(ctx.layout, remote, saves=False)
             self.worker = StoreWorker(ctx, remote)
 
