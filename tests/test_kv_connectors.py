@@ -159,7 +159,7 @@ def test_pd_unmappable_segment_is_recomputed_then_the_socket_serves(
             done = run(consumer)
         assert done.token_ids == colocated and done.cached_tokens == 0
         store = consumer.kv_connector.worker.store
-        assert store.failures == {"shm": 1} and not store.shm
+        assert store.failures == {"shm": 1} and not store.get(address).shm
         # Another prompt with the same start: the producer's blocks now come on the socket.
         other = PROMPT[:48] + [7] * 30
         run_prompt(producer, other, max_tokens=1)
@@ -177,6 +177,44 @@ def run_prompt(engine: Engine, prompt: list[int], max_tokens: int = 8):
     (done,) = engine.generate([prompt], params)
     assert engine.check_idle()
     return done
+
+
+def run_from(engine: Engine, prompt: list[int], kv_source: str | None) -> tuple[list[int], int]:
+    """(tokens, cached tokens) of `prompt`, its KV loaded from the producer at `kv_source`."""
+    rid = engine.add_request(prompt, GREEDY, kv_source=kv_source)
+    tokens, cached = [], -1
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.request_id == rid:
+                tokens += d.new_token_ids
+                cached = d.num_cached_tokens if d.finished else cached
+    engine.release_finished()
+    assert engine.check_idle()
+    return tokens, cached
+
+
+def test_pd_consumer_pulls_from_the_producer_each_request_names(tiny, colocated, tmp_path):
+    a, b = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    producers = [
+        engine_for(tiny, kv_connector="peer", kv_role="producer", kv_peer=x) for x in (a, b)
+    ]
+    consumer = engine_for(tiny, kv_connector="peer", kv_role="consumer")  # no --kv-peer
+    prompts = [PROMPT, PROMPT[::-1]]
+    (reverse,) = engine_for(tiny).generate([prompts[1]], GREEDY)
+    try:
+        for producer, prompt in zip(producers, prompts):
+            run_prompt(producer, prompt, max_tokens=1)
+        for address, prompt, want in zip((a, b), prompts, (colocated, reverse.token_ids)):
+            assert run_from(consumer, prompt, address) == (want, 64)
+        peers = consumer.kv_connector.worker.store
+        assert peers.get(a).transfers == {"shm": 1} and peers.get(b).transfers == {"shm": 1}
+        assert peers.transfers == {"shm": 2}
+        # Naming no producer, on a consumer started without one: it computes the prompt.
+        tokens, cached = run_from(consumer, [9] * 40, None)
+        assert len(tokens) == GREEDY.max_tokens and cached == 0 and peers.num_failed == 0
+    finally:
+        for engine in (*producers, consumer):
+            engine.close()
 
 
 def test_pd_dead_producer_makes_the_consumer_recompute(tiny, colocated, tmp_path):

@@ -1,4 +1,5 @@
-"""A consumer's client for a producer's blocks (the wire is in peer_wire.py).
+"""A consumer's client for a producer's blocks (the wire is in peer_wire.py), and its
+producers by address (`PeerStores`: one consumer may pull from any of several).
 
 Every block is verified (block_codec). A refused connection, a timeout, a short read, a bad
 block or an unusable shared-memory segment means "the blocks from there on are missing":
@@ -12,8 +13,9 @@ import json
 import logging
 import socket
 import struct
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvcache.connectors import block_codec, peer_shm
@@ -196,3 +198,91 @@ class PeerStore:
                 raise
             return sock
         return socket.create_connection(tcp_address(self.address), timeout=self.timeout_s)
+
+
+class PeerStores:
+    """A consumer's producers by KV address: the one it was started with (`--kv-peer`, maybe
+    none) and any a request names (LoadSpec.source), each a PeerStore made on first use.
+
+    Also a BlockStore over the default producer, and the sum of every producer's figures
+    (`failures`, `transfers`, `num_failed`) for /metrics. Any thread may call it.
+    """
+
+    def __init__(
+        self,
+        default: str | None,
+        layout: KVLayout,
+        payload_len: int,
+        shm: bool = True,
+        max_peers: int = 256,
+    ) -> None:
+        self.layout, self.payload_len, self.shm, self.max_peers = (
+            layout,
+            payload_len,
+            shm,
+            max_peers,
+        )
+        self.default = default
+        self._peers: OrderedDict[str, PeerStore] = OrderedDict()
+        self._lock = threading.Lock()
+        # Figures of producers forgotten to keep `max_peers`.
+        self._past_failures: Counter[str] = Counter()
+        self._past_transfers: Counter[str] = Counter()
+        self._past_failed = 0
+        if default is not None:
+            # A bad --kv-peer is a configuration error, found at start (ValueError).
+            self._peers[default] = PeerStore(default, layout, payload_len, shm=shm)
+
+    def get(self, address: str | None) -> PeerStore | None:
+        """The store for `address` (None: the default producer); None when there is none."""
+        address = address or self.default
+        if address is None:
+            return None
+        with self._lock:
+            store = self._peers.get(address)
+            if store is None:
+                try:
+                    store = PeerStore(address, self.layout, self.payload_len, shm=self.shm)
+                except ValueError as e:
+                    log.warning("kv peer: %s; the request computes its prompt", e)
+                    return None
+                self._peers[address] = store
+                while len(self._peers) > self.max_peers:
+                    _, old = self._peers.popitem(last=False)
+                    self._past_failures.update(old.failures)
+                    self._past_transfers.update(old.transfers)
+                    self._past_failed += old.num_failed
+            self._peers.move_to_end(address)
+            return store
+
+    def contains(self, key: str) -> bool:
+        store = self.get(None)
+        return store is not None and store.contains(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview]:
+        store = self.get(None)
+        return store.get_many(keys) if store is not None else []
+
+    def put(self, key: str, payload: bytes | memoryview) -> None:
+        raise NotImplementedError("a consumer's peer store is read-only")
+
+    def _sum(self, past: Counter[str], name: str) -> Counter[str]:
+        with self._lock:
+            out = Counter(past)
+            for store in self._peers.values():
+                out.update(getattr(store, name))
+        return out
+
+    @property
+    def failures(self) -> Counter[str]:
+        return self._sum(self._past_failures, "failures")
+
+    @property
+    def transfers(self) -> Counter[str]:
+        return self._sum(self._past_transfers, "transfers")
+
+    @property
+    def num_failed(self) -> int:
+        """Fetches that failed (a miss of an evicted block is not a failure)."""
+        with self._lock:
+            return self._past_failed + sum(s.num_failed for s in self._peers.values())
