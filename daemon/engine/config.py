@@ -108,7 +108,8 @@ class EngineConfig:
     kv_peer: str | None = opt(
         None,
         "peer connector: the producer's KV address, a Unix socket path or host:port (a "
-        "producer listens there, a consumer pulls from there)",
+        "producer listens there, a consumer pulls from there; a consumer that only pulls "
+        "from the producers its requests name, as in --prefill-replicas, may leave it unset)",
     )
     kv_peer_shm: bool = opt(
         True,
