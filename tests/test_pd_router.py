@@ -58,9 +58,9 @@ class FakeBackend:
         pass
 
 
-async def open_pd(tmp_path: Path, producers: int, consumers: int):
+async def open_pd(tmp_path: Path, producers: int, consumers: int, timeout_s: float = 300.0):
     config = EngineConfig(block_size=4)
-    layout = PDLayout(producers, consumers, str(tmp_path))
+    layout = PDLayout(producers, consumers, str(tmp_path), timeout_s)
     n = layout.num_replicas
     backend = FakeBackend()
     rs = ReplicaSet(
@@ -107,7 +107,7 @@ async def test_prompt_on_a_producer_then_the_stream_from_a_consumer_naming_it(tm
             assert decode.options["kv_source"] == layout.kv_address(producer.spec.index)
             c.inbox.put_nowait(_finished(stream.request_id, "length", [7, 8, 9]))
             assert [d.new_token_ids async for d in stream] == [[7, 8, 9]]
-        assert rs.pd.prefills == {"ok": 2, "failed": 0, "none": 0}
+        assert rs.pd.prefills == {"ok": 2, "failed": 0, "timeout": 0, "none": 0}
         assert rs.num_in_flight_requests == 0 and rs.replicas[2].reserved == 0
     finally:
         await rs.stop()
@@ -129,25 +129,27 @@ async def test_an_abort_at_the_prefill_reaches_the_producer_only(tmp_path):
         await rs.stop()
 
 
-@pytest.mark.parametrize("how", ["error", "down"])
+@pytest.mark.parametrize("how", ["failed", "none", "timeout"])
 async def test_a_failed_prefill_sends_the_request_naming_no_producer(tmp_path, how):
-    rs, backend, _ = await open_pd(tmp_path, producers=1, consumers=1)
+    rs, backend, _ = await open_pd(tmp_path, 1, 1, timeout_s=0.2 if how == "timeout" else 300)
     try:
         p, c = backend.channels[0], backend.channels[1]
-        if how == "down":
+        if how == "none":  # the producer is down
             rs.replicas[0].healthy = False
         stream = rs.add_request(PROMPT, PARAMS)
-        if how == "error":
+        if how == "failed":
             [prefill] = adds(p)
             p.inbox.put_nowait(_finished(prefill.request_id, "error"))
         await settle()
+        if how == "timeout":  # the producer hangs: no answer at all
+            assert adds(c) == []
+            await asyncio.sleep(0.3)
+            [prefill] = adds(p)
+            assert [m for m in p.sent if isinstance(m, Abort)] == [Abort([prefill.request_id])]
         [decode] = adds(c)
         assert decode.request_id == stream.request_id and "kv_source" not in decode.options
-        assert rs.pd.prefills == {
-            "ok": 0,
-            "failed": int(how == "error"),
-            "none": int(how == "down"),
-        }
+        want = {"ok": 0, "failed": 0, "timeout": 0, "none": 0} | {how: 1}
+        assert rs.pd.prefills == want and rs.replicas[0].streams == {}
     finally:
         await rs.stop()
 

@@ -58,8 +58,13 @@ class PDLayout:
     consumers: int
     # Folder of the producers' KV sockets (private to this front door).
     kv_dir: str
+    # Seconds a prompt may take on its producer before the consumer computes it itself (a
+    # producer that hangs without dying would otherwise hold the request forever).
+    prefill_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.prefill_timeout_s <= 0:
+            raise ValueError(f"pd_prefill_timeout: must be > 0, got {self.prefill_timeout_s}")
         if self.producers < 1 or self.consumers < 1:
             raise ValueError(
                 "prefill_replicas, decode_replicas: P/D needs at least one of each, got "
@@ -85,7 +90,9 @@ class PDLayout:
         return replace(base, kv_connector="peer", kv_role="consumer", kv_peer=None)
 
 
-def make_layout(producers: int, consumers: int, config: EngineConfig) -> PDLayout:
+def make_layout(
+    producers: int, consumers: int, config: EngineConfig, prefill_timeout_s: float = 300.0
+) -> PDLayout:
     """The layout, its socket folder made now (0700: only this user reaches the KV)."""
     if config.kv_connector not in ("none", "peer"):
         raise ValueError(
@@ -94,7 +101,10 @@ def make_layout(producers: int, consumers: int, config: EngineConfig) -> PDLayou
     if not config.enable_prefix_caching or config.prefix_cache_hash != "sha256":
         raise ValueError("prefill_replicas: P/D needs prefix caching with sha256 block hashes")
     base = os.environ.get("RUNTIME_DIRECTORY") or None  # systemd's, else the temp folder
-    return PDLayout(producers, consumers, tempfile.mkdtemp(prefix="headrace-pd-", dir=base))
+    if prefill_timeout_s <= 0:
+        raise ValueError(f"pd_prefill_timeout: must be > 0, got {prefill_timeout_s}")
+    kv_dir = tempfile.mkdtemp(prefix="headrace-pd-", dir=base)
+    return PDLayout(producers, consumers, kv_dir, prefill_timeout_s)
 
 
 @dataclass(slots=True)
@@ -116,9 +126,9 @@ class PrefillDecode:
         self.layout = layout
         self.prefill_router = prefill_router
         self.pending: dict[str, _Pending] = {}
-        # Prompts by outcome: ok (computed by a producer), failed (it did not answer), none
-        # (no producer was up: the consumer computed it).
-        self.prefills: dict[str, int] = {"ok": 0, "failed": 0, "none": 0}
+        # Prompts by outcome: ok (computed by a producer), failed (it failed or died),
+        # timeout (it took longer than prefill_timeout_s), none (no producer was up).
+        self.prefills: dict[str, int] = {"ok": 0, "failed": 0, "timeout": 0, "none": 0}
 
     def producers(self) -> list[Replica]:
         return self.rs.replicas[: self.layout.producers]
@@ -170,9 +180,14 @@ class PrefillDecode:
         outcome, source = "none", None
         if prefill is not None and pending.producer is not None:
             try:
-                async for delta in prefill:
-                    if delta.finished:
-                        outcome = "ok" if delta.finish_reason in ("length", "stop") else "failed"
+                outcome = await asyncio.wait_for(
+                    self._prefilled(prefill), self.layout.prefill_timeout_s
+                )
+            except TimeoutError:
+                outcome = "timeout"
+                p = pending.producer
+                if p.streams.get(pending.prefill_id) is prefill and p.channel is not None:
+                    p.channel.send(Abort([pending.prefill_id]))
             finally:
                 pending.producer.streams.pop(pending.prefill_id, None)
             if outcome == "ok":
@@ -188,6 +203,13 @@ class PrefillDecode:
         pending.consumer.reserved -= 1
         self.prefills[outcome] += 1
         self._decode(pending, ids, params, {**options, "kv_source": source} if source else options)
+
+    @staticmethod
+    async def _prefilled(prefill: QueuedDeltaStream) -> str:
+        async for delta in prefill:
+            if delta.finished:
+                return "ok" if delta.finish_reason in ("length", "stop") else "failed"
+        return "failed"
 
     def _decode(
         self, pending: _Pending, ids: list[int], params: SamplingParams, options: dict[str, Any]

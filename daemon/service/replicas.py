@@ -48,7 +48,7 @@ def pd_layout(config: ServeConfig) -> PDLayout | None:
         )
     if server.distributed_backend != "local":
         raise ValueError("prefill_replicas: P/D replicas run on the local backend only")
-    return make_layout(k, m, config.engine)
+    return make_layout(k, m, config.engine, server.pd_prefill_timeout)
 
 
 async def open_replicas(config: ServeConfig) -> ReplicaSet:

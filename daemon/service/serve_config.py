@@ -86,6 +86,11 @@ class ServerConfig:
     decode_replicas: int = opt(
         0, "P/D: replicas that decode (KV consumers), beside --prefill-replicas producers"
     )
+    pd_prefill_timeout: float = opt(
+        300.0,
+        "P/D: seconds a prompt may take on its producer replica before the consumer computes "
+        "it itself (a producer that hangs without dying)",
+    )
     router: str | None = opt(
         None,
         "how a request picks its replica: an entry point in headrace.routers (round_robin, "
