@@ -96,6 +96,10 @@ class Request:
     # Who the request is served for: the `fair` policy shares the engine between tenants
     # (the API takes it from `user`, X-Tenant or the API key's name).
     tenant: str = DEFAULT_TENANT
+    # Where a KV connector loads this prompt's KV from, for connectors with several sources
+    # (a P/D consumer: the KV address of the producer replica that computed it). Set by a
+    # front door, never by a client; None: the connector's own (--kv-peer).
+    kv_source: str | None = None
     # The compiled grammar its output must obey (opaque here: grammars/ and the runner use
     # it). None while WAITING_FOR_GRAMMAR, and for unconstrained requests.
     grammar: object | None = None

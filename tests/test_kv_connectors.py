@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import random
 import sys
 from pathlib import Path
@@ -109,16 +110,29 @@ def test_another_models_blocks_are_foreign(tiny, colocated, cache, tmp_path_fact
     assert len({p.parent.parent for p in block_files(cache)}) == 2
 
 
-def test_pd_consumer_decodes_the_producers_prompt_kv(tiny, colocated, tmp_path):
+def mapped_segments() -> int:
+    """Shared-memory KV segments mapped in this process now."""
+    return Path("/proc/self/maps").read_text().count("memfd:headrace-kv")
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_pd_consumer_decodes_the_producers_prompt_kv(tiny, colocated, tmp_path, shm):
     address = str(tmp_path / "kv.sock")
-    producer = engine_for(tiny, kv_connector="peer", kv_role="producer", kv_peer=address)
-    consumer = engine_for(tiny, kv_connector="peer", kv_role="consumer", kv_peer=address)
+    peer = {"kv_connector": "peer", "kv_peer": address, "kv_peer_shm": shm}
+    producer = engine_for(tiny, kv_role="producer", **peer)
+    consumer = engine_for(tiny, kv_role="consumer", **peer)
     try:
         first = run(producer, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         assert first.token_ids == colocated[:1]
         done = run(consumer)
         assert done.token_ids == colocated
         assert done.cached_tokens == 64
+        path = "shm" if shm else "socket"
+        assert consumer.kv_connector.worker.store.transfers == {path: 1}
+        assert producer.kv_connector.server.replies == {path: 1}
+        text = Metrics().render(consumer.stats()).decode()
+        assert f'headrace_kv_connector_transfers_total{{path="{path}"}} 1.0' in text
+        assert mapped_segments() == 0  # each block's view dropped once copied in
         # The consumer's own prefix cache now serves the prompt without the producer.
         producer.close()
         again = run(consumer)
@@ -126,6 +140,81 @@ def test_pd_consumer_decodes_the_producers_prompt_kv(tiny, colocated, tmp_path):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_pd_unmappable_segment_is_recomputed_then_the_socket_serves(
+    tiny, colocated, tmp_path, monkeypatch
+):
+    address = str(tmp_path / "kv.sock")
+    producer = engine_for(tiny, kv_connector="peer", kv_role="producer", kv_peer=address)
+    consumer = engine_for(tiny, kv_connector="peer", kv_role="consumer", kv_peer=address)
+    try:
+        run(producer, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+
+        def no_memory(*args: object, **kwargs: object) -> None:
+            raise OSError(12, "Cannot allocate memory")
+
+        with monkeypatch.context() as m:
+            m.setattr(mmap, "mmap", no_memory)
+            done = run(consumer)
+        assert done.token_ids == colocated and done.cached_tokens == 0
+        store = consumer.kv_connector.worker.store
+        assert store.failures == {"shm": 1} and not store.get(address).shm
+        # Another prompt with the same start: the producer's blocks now come on the socket.
+        other = PROMPT[:48] + [7] * 30
+        run_prompt(producer, other, max_tokens=1)
+        (alone,) = engine_for(tiny).generate([other], GREEDY)
+        again = run_prompt(consumer, other)
+        assert again.token_ids == alone.token_ids and again.cached_tokens == 64
+        assert store.transfers == {"socket": 1}
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def run_prompt(engine: Engine, prompt: list[int], max_tokens: int = 8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (done,) = engine.generate([prompt], params)
+    assert engine.check_idle()
+    return done
+
+
+def run_from(engine: Engine, prompt: list[int], kv_source: str | None) -> tuple[list[int], int]:
+    """(tokens, cached tokens) of `prompt`, its KV loaded from the producer at `kv_source`."""
+    rid = engine.add_request(prompt, GREEDY, kv_source=kv_source)
+    tokens, cached = [], -1
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.request_id == rid:
+                tokens += d.new_token_ids
+                cached = d.num_cached_tokens if d.finished else cached
+    engine.release_finished()
+    assert engine.check_idle()
+    return tokens, cached
+
+
+def test_pd_consumer_pulls_from_the_producer_each_request_names(tiny, colocated, tmp_path):
+    a, b = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    producers = [
+        engine_for(tiny, kv_connector="peer", kv_role="producer", kv_peer=x) for x in (a, b)
+    ]
+    consumer = engine_for(tiny, kv_connector="peer", kv_role="consumer")  # no --kv-peer
+    prompts = [PROMPT, PROMPT[::-1]]
+    (reverse,) = engine_for(tiny).generate([prompts[1]], GREEDY)
+    try:
+        for producer, prompt in zip(producers, prompts):
+            run_prompt(producer, prompt, max_tokens=1)
+        for address, prompt, want in zip((a, b), prompts, (colocated, reverse.token_ids)):
+            assert run_from(consumer, prompt, address) == (want, 64)
+        peers = consumer.kv_connector.worker.store
+        assert peers.get(a).transfers == {"shm": 1} and peers.get(b).transfers == {"shm": 1}
+        assert peers.transfers == {"shm": 2}
+        # Naming no producer, on a consumer started without one: it computes the prompt.
+        tokens, cached = run_from(consumer, [9] * 40, None)
+        assert len(tokens) == GREEDY.max_tokens and cached == 0 and peers.num_failed == 0
+    finally:
+        for engine in (*producers, consumer):
+            engine.close()
 
 
 def test_pd_dead_producer_makes_the_consumer_recompute(tiny, colocated, tmp_path):

@@ -76,6 +76,8 @@ class RouterTotals:
     # Prompt tokens the router expected the picked replica to hold, and what it reported.
     predicted_cached_tokens: int = 0
     reported_cached_tokens: int = 0
+    # P/D mode: prompts by what their producer pass did (ok, failed, none: no producer up).
+    pd_prefills: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -91,10 +93,22 @@ class KVConnectorStats:
     saved_bytes: int = 0
     # Loads that got less than asked, by kind: corrupt, missing, peer_down (or error).
     failures: dict[str, int] = field(default_factory=dict)
+    # Peer replies that brought blocks, by the path they came: shm or socket (consumer).
+    transfers: dict[str, int] = field(default_factory=dict)
     # Bytes the connector's store holds now (the disk tier's files, a producer's RAM).
     store_bytes: int = 0
     # Seconds from a load's start to its blocks in the paged cache, since the last read.
     load_seconds: list[float] = field(default_factory=list)
+
+    def add(self, other: KVConnectorStats) -> None:
+        """Add another engine's figures (the front door sums its replicas')."""
+        for name in ("loaded_tokens", "saved_tokens", "loaded_blocks", "saved_blocks",
+                     "loaded_bytes", "saved_bytes", "store_bytes"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.failures, other.failures), (self.transfers, other.transfers)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        self.load_seconds += other.load_seconds
 
 
 @dataclass(slots=True)

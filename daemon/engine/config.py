@@ -108,7 +108,14 @@ class EngineConfig:
     kv_peer: str | None = opt(
         None,
         "peer connector: the producer's KV address, a Unix socket path or host:port (a "
-        "producer listens there, a consumer pulls from there)",
+        "producer listens there, a consumer pulls from there; a consumer that only pulls "
+        "from the producers its requests name, as in --prefill-replicas, may leave it unset)",
+    )
+    kv_peer_shm: bool = opt(
+        True,
+        "peer connector on a Unix socket: move blocks through shared memory (a sealed memfd "
+        "whose fd goes over the socket) instead of the socket stream; either side may turn "
+        "it off and the other follows (TCP always streams)",
     )
     kv_store_gb: float = opt(
         4.0, "bound on the KV connector's store: the disk tier's files, a producer's RAM"

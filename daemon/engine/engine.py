@@ -181,11 +181,13 @@ class Engine:
         lora: str | None = None,
         tenant: str = DEFAULT_TENANT,
         client: str = "",
+        kv_source: str | None = None,
     ) -> str:
         """Queue a request; with `grammar` it waits in WAITING_FOR_GRAMMAR until compiled.
         `lora` names a served adapter (UnknownAdapterError if there is none of that name).
         `client` (the tenant, or a peer address) is whose fair share of the grammar
-        compilers the compile waits for (default: the tenant)."""
+        compilers the compile waits for (default: the tenant). `kv_source`: where the KV
+        connector loads the prompt's KV from (a P/D consumer: its producer's KV address)."""
         params = params or SamplingParams()
         adapter = None
         if lora is not None:
@@ -210,6 +212,7 @@ class Engine:
             lora_id=adapter.lora_id if adapter else None,
             lora=adapter,
             tenant=tenant,
+            kv_source=kv_source,
         )
         if grammar is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR

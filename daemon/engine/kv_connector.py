@@ -49,6 +49,7 @@ def build_kv_connector(
         int(config.kv_store_gb * (1 << 30)),
         Path(config.kv_disk_dir) if config.kv_disk_dir else cache_dir() / "kv",
         int(config.kv_commit_mb_per_step * (1 << 20)),
+        config.kv_peer_shm,
     )
     connector: Any = load_kv_connector(config.kv_connector, ctx)
     log.info(
@@ -80,6 +81,7 @@ def connector_stats(
         loaded_bytes=getattr(worker, "num_loaded_bytes", 0),
         saved_bytes=getattr(worker, "num_saved_bytes", 0),
         failures=dict(failures),
+        transfers=dict(getattr(store, "transfers", {})),
         store_bytes=getattr(store, "num_bytes", 0),
         load_seconds=drain() if drain is not None else [],
     )

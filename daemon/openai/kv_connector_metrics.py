@@ -11,7 +11,7 @@ from daemon.openai.metric_totals import advance
 # A load is a few blocks from a local disk (ms) up to a long prompt from a peer (seconds).
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Kinds shown from the start (at 0), so a rate() over them needs no first failure.
-FAILURE_KINDS = ("corrupt", "missing", "peer_down")
+FAILURE_KINDS = ("corrupt", "missing", "peer_down", "shm")
 
 
 class KVConnectorMetrics:
@@ -35,6 +35,12 @@ class KVConnectorMetrics:
         )
         for kind in FAILURE_KINDS:
             self.failures.labels(kind)
+        self.transfers = Counter(
+            "headrace_kv_connector_transfers",
+            "Peer replies that brought blocks, by path (shm: shared memory on one host)",
+            ["path"],
+            registry=r,
+        )
         self.load_seconds = Histogram(
             "headrace_kv_connector_load_seconds",
             "Time from a load's start to its blocks in the paged cache",
@@ -56,6 +62,8 @@ class KVConnectorMetrics:
         advance(self.saved_bytes, stats.saved_bytes)
         for kind, n in stats.failures.items():
             advance(self.failures.labels(kind), n)
+        for path, n in stats.transfers.items():
+            advance(self.transfers.labels(path), n)
         self.store_bytes.set(stats.store_bytes)
 
     def absorb(self, stats: KVConnectorStats) -> None:

@@ -61,6 +61,12 @@ class ReplicaMetrics:
             "Prompt tokens the picked replicas reported served from their cache",
             registry=r,
         )
+        self.pd_prefills = Counter(
+            "headrace_router_pd_prefills",
+            "P/D: prompts by their producer pass (ok; failed or none: the consumer computed it)",
+            ["outcome"],
+            registry=r,
+        )
 
     def update(self, stats: EngineStats) -> None:
         for rep in stats.replicas:
@@ -77,3 +83,5 @@ class ReplicaMetrics:
                 advance(self.routed.labels(policy, reason), n)
             advance(self.predicted, stats.router.predicted_cached_tokens)
             advance(self.reported, stats.router.reported_cached_tokens)
+            for outcome, n in stats.router.pd_prefills.items():
+                advance(self.pd_prefills.labels(outcome), n)

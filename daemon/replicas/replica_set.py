@@ -23,7 +23,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from daemon.engine.admission import check_prompt, check_vocab
-from daemon.engine.client import AdapterInfo, EngineStats, ModelInfo, ReplicaStatus, RouterTotals
+from daemon.engine.client import (
+    AdapterInfo,
+    EngineStats,
+    KVConnectorStats,
+    ModelInfo,
+    ReplicaStatus,
+    RouterTotals,
+)
 from daemon.engine.config import EngineConfig
 from daemon.engine.delta_stream import QueuedDeltaStream
 from daemon.engine.outputs import Delta
@@ -39,6 +46,7 @@ from daemon.replicas.messages import (
     Rejected,
     Stop,
 )
+from daemon.replicas.prefill_decode import PDLayout, PrefillDecode
 from daemon.replicas.replica import ReplicaSpec
 from daemon.replicas.routing import ReplicaLoad, RouteRequest
 from kvcache.block_hash import prefix_block_hashes, request_extra_keys
@@ -92,10 +100,12 @@ class Replica:
     # Prefix-cache totals of its earlier lives (its own restart at zero).
     past_query_tokens: int = 0
     past_hit_tokens: int = 0
+    # P/D: requests routed here whose prompt a producer still computes.
+    reserved: int = 0
 
     def route_load(self) -> ReplicaLoad:
         # The front door's own count is current; the replica's report lags by a frame.
-        in_flight = len(self.streams)
+        in_flight = len(self.streams) + self.reserved
         running = min(self.load.running, in_flight)
         return ReplicaLoad(
             self.index, self.healthy, running, in_flight - running, self.load.kv_usage
@@ -106,8 +116,17 @@ class ReplicaSet:
     """N engine replicas behind one EngineClient; see the module docstring."""
 
     def __init__(
-        self, config: EngineConfig, n: int, backend: Backend, router: Any, overlap: bool | None
+        self,
+        config: EngineConfig,
+        n: int,
+        backend: Backend,
+        router: Any,
+        overlap: bool | None,
+        pd: PDLayout | None = None,
+        prefill_router: Any = None,
     ) -> None:
+        """`pd`: prefill/decode mode (n == pd.num_replicas); `router` then picks among the
+        consumers and `prefill_router` (another instance) among the producers."""
         self.config = config
         self.backend = backend
         self.router = router
@@ -123,6 +142,17 @@ class ReplicaSet:
         self._ready: list[asyncio.Event] = []
         self._catching_up: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self.pd = PrefillDecode(self, pd, prefill_router) if pd is not None else None
+        if self.pd is not None:
+            self.totals.pd_prefills = self.pd.prefills  # the same counts, live
+        if pd is not None and pd.num_replicas != n:
+            raise ValueError(f"P/D layout of {pd.num_replicas} replicas for {n}")
+
+    def _router_of(self, r: Replica) -> Any:
+        return self.router if self.pd is None else self.pd.router_of(r.index)
+
+    def _decoders(self) -> list[Replica]:
+        return self.replicas if self.pd is None else self.pd.consumers()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -133,7 +163,7 @@ class ReplicaSet:
         self._ready = [asyncio.Event() for _ in self.replicas]
         first = await asyncio.gather(*(self._connect(r) for r in self.replicas))
         info = first[0].info
-        self.info = replace(info, max_waiting=info.max_waiting * len(self.replicas))
+        self.info = replace(info, max_waiting=info.max_waiting * len(self._decoders()))
         self.lora.start_with(first[0].adapters)
         self._supervisors = [
             loop.create_task(self._supervise(r), name=f"replica-{r.index}") for r in self.replicas
@@ -153,6 +183,8 @@ class ReplicaSet:
             for rid, stream in streams.items():
                 stream.put(Delta.ending(rid, "abort", why))
             ended += len(streams)
+        if self.pd is not None:
+            ended += self.pd.end_all(why)
         return ended
 
     async def stop(self, wait: bool = True) -> None:
@@ -173,16 +205,20 @@ class ReplicaSet:
                 await r.channel.close(timeout=10.0)
                 r.channel = None
         await self.backend.shutdown()
+        if self.pd is not None:
+            await self.pd.close()
 
     async def _connect(self, r: Replica) -> Hello:
         config = self.config
         if self.info is not None:  # a restart: the adapters served now, runtime ones too
             config = replace(config, lora_modules=self.lora.lora_modules())
+        if self.pd is not None:
+            config = self.pd.layout.engine_config(config, r.index)
         spec = ReplicaSpec(r.index, config, self.overlap)
         channel, hello = await self.backend.connect(spec)
         r.channel, r.healthy, r.up_since = channel, True, time.monotonic()
         r.load = EngineStats()
-        self.router.on_replica_reset(r.index)
+        self._router_of(r).on_replica_reset(r.index)
         if self.info is not None and self.lora.differs(hello.adapters):
             r.healthy = False  # routed to once it serves every adapter
             task = asyncio.get_running_loop().create_task(self._catch_up(r, channel, hello))
@@ -227,9 +263,15 @@ class ReplicaSet:
             r.restarts += 1
 
     def _lost(self, r: Replica, why: str) -> None:
-        log.error(
-            "replica %d lost (%s); %d requests fail; restarting", r.index, why, len(r.streams)
-        )
+        if self.pd is not None and self.pd.layout.is_producer(r.index):
+            log.error(
+                "producer replica %d lost (%s); consumers compute its %d prompts; restarting",
+                r.index, why, len(r.streams),
+            )  # fmt: skip
+        else:
+            log.error(
+                "replica %d lost (%s); %d requests fail; restarting", r.index, why, len(r.streams)
+            )
         r.healthy = False
         r.past_query_tokens += r.load.prefix_query_tokens
         r.past_hit_tokens += r.load.prefix_hit_tokens
@@ -238,7 +280,7 @@ class ReplicaSet:
         channel, r.channel = r.channel, None
         if channel is not None:
             channel.kill()
-        self.router.on_replica_reset(r.index)
+        self._router_of(r).on_replica_reset(r.index)
         streams, r.streams = r.streams, {}
         for rid, stream in streams.items():
             stream.put(Delta.ending(rid, "error", f"replica {r.index} failed: {why}"))
@@ -246,21 +288,22 @@ class ReplicaSet:
     def _receive(self, r: Replica, message: FromReplica) -> None:
         if isinstance(message, Deltas):
             if message.kv_events:
-                self.router.on_kv_events(r.index, message.kv_events)
+                self._router_of(r).on_kv_events(r.index, message.kv_events)
             for delta in message.deltas:
                 stream = r.streams.get(delta.request_id)
                 if stream is None:
                     continue
                 if delta.finished:
                     del r.streams[delta.request_id]
-                    self.totals.reported_cached_tokens += delta.num_cached_tokens
+                    if r in self._decoders():
+                        self.totals.reported_cached_tokens += delta.num_cached_tokens
                 stream.put(delta)
         elif isinstance(message, Load):
             r.load = message.stats
             r.compile_seconds.extend(message.stats.grammar_compile_seconds)
             r.tenant_seconds.extend(message.stats.tenant_queue_seconds)
             if message.kv_events:
-                self.router.on_kv_events(r.index, message.kv_events)
+                self._router_of(r).on_kv_events(r.index, message.kv_events)
         elif isinstance(message, Rejected):
             stream = r.streams.pop(message.request_id, None)
             if stream is not None:
@@ -282,7 +325,7 @@ class ReplicaSet:
         if options.get("grammar") is not None and params.ignore_eos:
             raise ValueError("ignore_eos: cannot be combined with structured output")
         rid = options.pop("request_id", None) or f"dp-{next(self._ids)}"
-        candidates = [r.route_load() for r in self.replicas if r.healthy]
+        candidates = [r.route_load() for r in self._decoders() if r.healthy]
         if not candidates:
             stream = QueuedDeltaStream(rid, lambda _: None)
             stream.put(Delta.ending(rid, "rejected", "no replica is serving"))
@@ -297,7 +340,7 @@ class ReplicaSet:
             )
         decision = self.router.pick(RouteRequest(ids, hashes), candidates)
         r = self.replicas[decision.index]
-        per_replica = self.info.max_waiting // len(self.replicas)
+        per_replica = self.info.max_waiting // len(self._decoders())
         if per_replica and r.route_load().waiting >= per_replica:
             raise QueueFullError(
                 f"replica {r.index}: {per_replica} requests already waiting (--max-waiting)"
@@ -306,12 +349,17 @@ class ReplicaSet:
         self.totals.decisions[key] = self.totals.decisions.get(key, 0) + 1
         self.totals.predicted_cached_tokens += decision.predicted_cached_tokens
         stream = QueuedDeltaStream(rid, self.abort)
+        if self.pd is not None:
+            self.pd.start(r, stream, ids, params, options, hashes)
+            return stream
         r.streams[rid] = stream
         assert r.channel is not None
         r.channel.send(Add(rid, ids, params, options))
         return stream
 
     def abort(self, request_id: str) -> None:
+        if self.pd is not None and self.pd.abort(request_id):
+            return
         for r in self.replicas:
             if r.streams.pop(request_id, None) is not None and r.channel is not None:
                 r.channel.send(Abort([request_id]))
@@ -332,10 +380,12 @@ class ReplicaSet:
 
     @property
     def num_in_flight_requests(self) -> int:
-        return sum(len(r.streams) for r in self.replicas)
+        return len(self.in_flight_ids())
 
     def in_flight_ids(self) -> list[str]:
-        return [rid for r in self.replicas for rid in r.streams]
+        """Every request a client waits on (a P/D prompt's pass on a producer is not one)."""
+        ids = [rid for r in self._decoders() for rid in r.streams]
+        return ids + list(self.pd.pending) if self.pd is not None else ids
 
     def stats(self) -> EngineStats:
         """The replicas' figures added up (prefix-cache totals over their restarts too),
@@ -359,6 +409,11 @@ class ReplicaSet:
             r.compile_seconds, r.tenant_seconds = [], []
             for name in ("num_proposed", "num_verified", "num_accepted", "num_verify_steps"):
                 setattr(out.spec, name, getattr(out.spec, name) + getattr(s.spec, name))
+            if s.kv_connector is not None:
+                # NOTE: running totals of the replicas' current lives (a restarted one
+                # starts again at 0, and counters only go up); latencies are not summed.
+                out.kv_connector = out.kv_connector or KVConnectorStats()
+                out.kv_connector.add(replace(s.kv_connector, load_seconds=[]))
             out.replicas.append(
                 ReplicaStatus(
                     r.index,

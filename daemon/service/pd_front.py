@@ -10,8 +10,10 @@ client --POST /v1/completions (or chat)--> front door
 ```
 The producer's answer is only a signal: if it fails (down, 4xx, 5xx) the consumer still
 gets the request and computes the prompt itself (slower, never wrong). Everything else
-(/v1/models, /health) goes to the consumer. The data-parallel router can adopt this as its
-P/D mode: `PDFrontDoor.app()` has no state beyond the two upstreams.
+(/v1/models, /health) goes to the consumer. This is the front door between independent
+instances (other hosts, over TCP); within one daemon the data-parallel router's P/D mode
+(`serve --prefill-replicas K --decode-replicas M`, daemon/replicas/prefill_decode.py) does
+the same over its replicas' channels, K producers and M consumers at once.
 """
 
 from __future__ import annotations

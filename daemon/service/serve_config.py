@@ -77,6 +77,20 @@ class ServerConfig:
         "engine replicas, each in its own process on cores // N threads (--threads sets "
         "them), behind this one front door; 1: the engine runs in this process",
     )
+    prefill_replicas: int = opt(
+        0,
+        "prefill/decode disaggregation: this many replicas compute prompts (KV producers) "
+        "and --decode-replicas decode them, each request's KV pulled from the producer that "
+        "computed it (shared memory on one host); 0: off (--data-parallel-size then)",
+    )
+    decode_replicas: int = opt(
+        0, "P/D: replicas that decode (KV consumers), beside --prefill-replicas producers"
+    )
+    pd_prefill_timeout: float = opt(
+        300.0,
+        "P/D: seconds a prompt may take on its producer replica before the consumer computes "
+        "it itself (a producer that hangs without dying)",
+    )
     router: str | None = opt(
         None,
         "how a request picks its replica: an entry point in headrace.routers (round_robin, "

@@ -99,7 +99,13 @@ async def serve(config: ServeConfig) -> int:
     notifier.status("loading model")
     profiler = None
     watchdog: asyncio.Task[None] | None = None
-    if config.server.data_parallel_size > 1 or config.server.distributed_backend != "local":
+    server = config.server
+    if (
+        server.data_parallel_size > 1
+        or server.prefill_replicas
+        or server.decode_replicas
+        or server.distributed_backend != "local"
+    ):
         from daemon.service.replicas import open_replicas
 
         if config.server.profile_steps:

@@ -12,8 +12,9 @@ from kvcache.connectors.base import (
     SaveSpec,
 )
 from kvcache.connectors.disk_store import DiskStore
-from kvcache.connectors.lookups import StoreLookup
-from kvcache.connectors.peer_wire import PeerServer, PeerStore
+from kvcache.connectors.lookups import PeerLookup, StoreLookup
+from kvcache.connectors.peer_store import PeerStore, PeerStores
+from kvcache.connectors.peer_wire import PeerServer
 from kvcache.connectors.stores import BlockStore, MemoryStore
 
 __all__ = [
@@ -25,8 +26,10 @@ __all__ = [
     "KVLayout",
     "LoadSpec",
     "MemoryStore",
+    "PeerLookup",
     "PeerServer",
     "PeerStore",
+    "PeerStores",
     "SaveSpec",
     "StoreLookup",
 ]

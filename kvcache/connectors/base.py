@@ -75,6 +75,9 @@ class LoadSpec:
     # The paged-cache blocks they go to (filled in by the scheduler, which allocated them):
     # the runner side copies a load in over several steps, before the request is scheduled.
     block_ids: tuple[int, ...] = ()
+    # Where to load from, for a connector with several sources (a P/D consumer: the KV
+    # address of the producer the request names); None: the connector's own store.
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +125,11 @@ class KVConnectorScheduler(ABC):
         one maybe partly supplied, see above): load them."""
         hashes = req.block_hashes[first_block : first_block + num_blocks]
         keys = [self.layout.block_key(h) for h in hashes]
-        self._loads.append(LoadSpec(req.request_id, first_block, keys))
+        self._loads.append(LoadSpec(req.request_id, first_block, keys, source=self.source(req)))
+
+    def source(self, req: KVRequest) -> str | None:
+        """Where `req`'s blocks load from (LoadSpec.source); None: the connector's store."""
+        return None
 
     def saves_for(self, req: KVRequest, num_computed_before: int, num_computed_after: int,
                   num_prompt_tokens: int) -> SaveSpec | None:  # fmt: skip

@@ -35,7 +35,7 @@ def encode(layout_key: str, block_key: str, payload: bytes | memoryview) -> byte
 
 
 def decode(
-    data: bytes | bytearray, layout_key: str, block_key: str, payload_len: int
+    data: bytes | bytearray | memoryview, layout_key: str, block_key: str, payload_len: int
 ) -> memoryview | None:
     """The payload of `data` if it is block `block_key` of `layout_key`, intact; else None."""
     view = memoryview(data)

@@ -36,6 +36,8 @@ class KVConnectorContext:
     root: Path
     # Bytes of loaded KV one step copies into the paged cache while other requests run.
     commit_bytes_per_step: int = 16 << 20
+    # Peer connectors on one host: blocks through shared memory rather than the socket.
+    peer_shm: bool = True
 
     @property
     def payload_len(self) -> int:

@@ -8,8 +8,9 @@ from kvcache.connectors import (
     KV_CONNECTOR_API_VERSION,
     DiskStore,
     MemoryStore,
+    PeerLookup,
     PeerServer,
-    PeerStore,
+    PeerStores,
     StoreLookup,
 )
 from runner.kv_connectors.base import KVConnectorContext
@@ -39,7 +40,10 @@ class PeerConnector:
     producer: computes prompts (the front door asks for max_tokens 1) and keeps each prompt
     block in a bounded in-memory store, served on `ctx.peer`. consumer: for every prompt,
     pulls the blocks after its own prefix hit from the producer at `ctx.peer`, then decodes;
-    whatever does not arrive intact (dead producer, evicted blocks) it computes itself.
+    whatever does not arrive intact (dead producer, evicted blocks) it computes itself. A
+    request may name another producer (`kv_source`: the data-parallel front door's P/D
+    mode does), so a consumer started without `ctx.peer` pulls only from those.
+    On a Unix socket the blocks go through shared memory unless `ctx.peer_shm` is off.
     """
 
     name: ClassVar[str] = "peer"
@@ -50,18 +54,18 @@ class PeerConnector:
             raise ValueError(
                 f"kv_role: the peer connector needs producer or consumer, got {ctx.role!r}"
             )
-        if not ctx.peer:
-            raise ValueError("kv_peer: the peer connector needs a socket path or host:port")
         self.server: PeerServer | None = None
         if ctx.role == "producer":
+            if not ctx.peer:
+                raise ValueError("kv_peer: a producer needs a socket path or host:port to serve")
             store = MemoryStore(ctx.layout, ctx.payload_len, ctx.store_bytes)
-            self.server = PeerServer(ctx.peer, store)
+            self.server = PeerServer(ctx.peer, store, shm=ctx.peer_shm)
             self.scheduler = StoreLookup(ctx.layout, _NothingToLoad())
             self.worker = StoreWorker(ctx, store, sync_saves=True)
         else:
-            remote = PeerStore(ctx.peer, ctx.layout, ctx.payload_len)
-            self.scheduler = StoreLookup(ctx.layout, remote, saves=False)
-            self.worker = StoreWorker(ctx, remote)
+            peers = PeerStores(ctx.peer, ctx.layout, ctx.payload_len, shm=ctx.peer_shm)
+            self.scheduler = PeerLookup(ctx.layout, peers)
+            self.worker = StoreWorker(ctx, peers, sources=peers.get)
 
     def close(self) -> None:
         self.worker.close()

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -48,13 +48,20 @@ class StoreWorker:
     runner thread, then stored.
 
     `sync_saves` stores on the runner thread too, so a block is in the store before the
-    step's results go out (a P/D producer: the consumer asks right after).
+    step's results go out (a P/D producer: the consumer asks right after). `sources` maps a
+    load's `source` to its store (a consumer with several producers).
     """
 
     def __init__(
-        self, ctx: KVConnectorContext, store: BlockStore, sync_saves: bool = False
+        self,
+        ctx: KVConnectorContext,
+        store: BlockStore,
+        sync_saves: bool = False,
+        sources: Callable[[str], BlockStore | None] | None = None,
     ) -> None:
         self.ctx, self.store, self.sync_saves = ctx, store, sync_saves
+        # The store a LoadSpec naming a `source` loads from (a P/D consumer's producers).
+        self.sources = sources
         lay = ctx.layout
         # One block: [L, 2, bs, H, D]
         self.block_shape = (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
@@ -91,7 +98,10 @@ class StoreWorker:
     def _fetch(self, spec: LoadSpec) -> list[memoryview]:
         # NOTE: no join into one buffer: that is a copy of the whole load holding the GIL
         # (tens of ms for a long prompt), which stalls the loop and runner threads.
-        payloads = self.store.get_many(spec.keys)
+        store = self.store
+        if spec.source is not None and self.sources is not None:
+            store = self.sources(spec.source)
+        payloads = store.get_many(spec.keys) if store is not None else []
         # torch.frombuffer wants writable memory; the stores' own buffers mostly are.
         return [memoryview(bytearray(p)) if p.readonly else p for p in payloads]
 
