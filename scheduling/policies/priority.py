@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from scheduling.cost_model import OnlineCostModel, StepCostModel
 from scheduling.output import StepStats
 from scheduling.policy import BasePolicy
@@ -50,13 +52,26 @@ class PriorityPolicy(BasePolicy):
         self._last_seen: dict[int, float] = {}
         # priority value -> running mean of its prompt lengths (what an arrival prefills).
         self._prompt_tokens: dict[int, float] = {}
+        # Fixed by `begin_step` for the step being built: the urgent class (None: one class
+        # about, or the cap is off) and the cap on the less urgent ones' tokens.
+        self._urgent: int | None = None
+        self.step_cap: int | None = None
+
+    def begin_step(self, now: float, requests: Sequence[Request]) -> None:
+        """Called by the scheduler once per step, before it ranks `requests` (the running
+        and admissible waiting ones): notes which classes are about and what an arrival
+        prefills, then fixes this step's urgent class and cap, so `rank` and
+        `step_token_cap` only read them."""
+        for req in requests:
+            self._last_seen[req.priority] = now
+            if not req.num_computed_tokens:  # not started: counted a step or two, not a run
+                mean = self._prompt_tokens.get(req.priority, float(req.num_prompt_tokens))
+                self._prompt_tokens[req.priority] = mean + 0.1 * (req.num_prompt_tokens - mean)
+        self._urgent = self.urgent_class(now) if self.urgent_wait else None
+        self.step_cap = None if self._urgent is None else self._token_cap(self._urgent)
 
     def rank(self, req: Request, now: float) -> tuple[int, int, int, float, str]:
-        self._last_seen[req.priority] = now
-        if not req.num_computed_tokens:  # not started: counted a step or two, not a whole run
-            mean = self._prompt_tokens.get(req.priority, float(req.num_prompt_tokens))
-            self._prompt_tokens[req.priority] = mean + 0.1 * (req.num_prompt_tokens - mean)
-        urgent = self.urgent_class(now) if self.urgent_wait else None
+        urgent = self._urgent
         if urgent is None or req.priority <= urgent:
             return (req.priority, 0, 0, req.arrival_time, req.request_id)
         # Capped: a step holds only some of this class, so its running requests take turns
@@ -82,11 +97,11 @@ class PriorityPolicy(BasePolicy):
         Urgent requests are never capped; the scheduler guarantees the less urgent ones
         `min_background_tokens` a step whatever the cap says.
         """
-        urgent = self.urgent_class(now)
-        if not self.urgent_wait or urgent is None:
+        if self._urgent is None or req.priority <= self._urgent:
             return None
-        if req.priority <= urgent:
-            return None
+        return self.step_cap
+
+    def _token_cap(self, urgent: int) -> int | None:
         model = self.cost.model
         prompt = max(1, round(self._prompt_tokens.get(urgent, 1.0)))
         target = self.urgent_wait * model.prefill_time(prompt)
