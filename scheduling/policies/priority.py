@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from scheduling.cost_model import OnlineCostModel, StepCostModel
 from scheduling.output import StepStats
+from scheduling.policies.step_times import StepTimes
 from scheduling.policy import BasePolicy
 from scheduling.request import Request, RequestStatus
 
@@ -47,7 +48,9 @@ class PriorityPolicy(BasePolicy):
         self.window_s = window_s
         # Less urgent work always gets this many tokens a step: it slows, never starves.
         self.min_background_tokens = min_background_tokens
+        # The prior (and fit) only price the cap until steps have been measured.
         self.cost = OnlineCostModel(prior)
+        self.times = StepTimes()
         # priority value -> when a request of it was last ranked.
         self._last_seen: dict[int, float] = {}
         # priority value -> running mean of its prompt lengths (what an arrival prefills).
@@ -83,6 +86,7 @@ class PriorityPolicy(BasePolicy):
 
     def observe(self, stats: StepStats) -> None:
         self.cost.observe(stats.shape, stats.duration_s)
+        self.times.observe(stats, self._urgent)
 
     def urgent_class(self, now: float) -> int | None:
         """The most urgent priority seen lately, when a less urgent one was seen too."""
@@ -102,14 +106,28 @@ class PriorityPolicy(BasePolicy):
         return self.step_cap
 
     def _token_cap(self, urgent: int) -> int | None:
+        """Tokens of less urgent work per step such that a step costs about `urgent_wait` x
+        a typical urgent prompt's step, but at least twice a step's fixed cost (below that
+        a step is mostly fixed cost: capping costs more throughput than it saves wait).
+
+        Priced with measured step times (step_times.py) once there are any, with the cost
+        model before that. None: the model sees no cost in tokens, so capping buys nothing.
+        """
         model = self.cost.model
         prompt = max(1, round(self._prompt_tokens.get(urgent, 1.0)))
-        target = self.urgent_wait * model.prefill_time(prompt)
-        # Priced at the dearer of a prompt or a decode token: the cap holds for either.
-        per_token = max(model.per_prefill_token_s, model.per_decode_token_s)
-        if per_token < 1e-9:
-            return None  # tokens cost nothing that the fit can see: capping buys nothing
-        # Never so few that a step's fixed cost is most of it: below that, capping costs
-        # more throughput than it saves wait (no step is shorter than its fixed cost).
-        floor = max(self.min_background_tokens, int(model.base_s / per_token))
-        return max(floor, int((target - model.base_s) / per_token))
+        urgent_s = self.times.prompt_time(urgent, prompt) or model.prefill_time(prompt)
+        token_s = self.times.token_s
+        if token_s is None:
+            # Priced at the dearer of a prompt or a decode token: the cap holds for either.
+            per_token = max(model.per_prefill_token_s, model.per_decode_token_s)
+            if per_token < 1e-9:
+                return None
+            step_s = max(self.urgent_wait * urgent_s, 2 * model.base_s)
+            return max(self.min_background_tokens, int((step_s - model.base_s) / per_token))
+        # A one-token step's time stands for the fixed cost.
+        fixed_s = self.times.single_step_s or model.base_s
+        step_s = max(self.urgent_wait * urgent_s, 2 * fixed_s)
+        # `token_s` is the steps' own time per token, fixed cost included: a step of n
+        # tokens that took d makes the cap n * step_s / d, so the cap settles where a
+        # capped step takes step_s, whatever its rows cost (context, threads, neighbours).
+        return max(self.min_background_tokens, int(step_s / token_s))
