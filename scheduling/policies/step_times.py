@@ -8,8 +8,8 @@ seconds at a time: after an idle phase (one-token decodes and whole prompts only
 per-decode costs cannot be told apart, and on a busy 2-core machine the fitted
 coefficients swung from 0 to 7 ms a decode row between consecutive steps, the cap with
 them (2203 tokens, then 1551, 140, 73, 35, 15 in the first steps of a load). Measured
-directly, each figure is a ratio of the steps' own times, and an order statistic of the
-last few keeps one slow step (a first call, a neighbour's burst) from moving it.
+directly, each figure is a ratio of the steps' own times, and the median of the last
+few keeps one slow step (a first call, a neighbour's burst) from moving it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ WINDOW = 7
 
 
 class Recent:
-    """One order statistic of the last `WINDOW` values (None before the first): the median,
-    or with `high` the second largest, a price that holds for the dearer steps yet ignores
-    the one slowest."""
+    """The median of the last `WINDOW` values (None before the first)."""
 
-    def __init__(self, high: bool = False) -> None:
+    def __init__(self) -> None:
         self._values: deque[float] = deque(maxlen=WINDOW)
-        self._high = high
 
     def add(self, value: float) -> None:
         self._values.append(value)
@@ -39,8 +36,7 @@ class Recent:
     def value(self) -> float | None:
         if not self._values:
             return None
-        ordered = sorted(self._values)
-        return ordered[max(0, len(ordered) - 2)] if self._high else ordered[len(ordered) // 2]
+        return sorted(self._values)[len(self._values) // 2]
 
 
 class StepTimes:
@@ -49,9 +45,11 @@ class StepTimes:
 
     def __init__(self) -> None:
         self._prompt_token_s: dict[int, Recent] = {}
-        # Steps mix prompt tokens with decode rows, which cost ~3x more on a CPU: priced at
-        # the dearer steps' rate, the cap holds for either (as the fit's max of the two did).
-        self._token_s = Recent(high=True)
+        # Steps mix prompt tokens with decode rows, ~3x dearer on a CPU: a cap priced at
+        # a mixed rate let decode steps run ~1.5x over. Priced at the decode-led steps'
+        # rate (once there are any), it holds for decode rows and errs short for chunks.
+        self._token_s = Recent()
+        self._decode_token_s = Recent()
         self._single_s = Recent()
 
     def observe(self, stats: StepStats, urgent: int | None) -> None:
@@ -69,6 +67,8 @@ class StepTimes:
             self._prompt_token_s.setdefault(klass, Recent()).add(stats.duration_s / own.prefill)
             return
         self._token_s.add(stats.duration_s / tokens)
+        if shape.num_decode_tokens >= shape.num_prefill_tokens:
+            self._decode_token_s.add(stats.duration_s / tokens)
         if tokens == 1:
             self._single_s.add(stats.duration_s)
 
@@ -79,8 +79,10 @@ class StepTimes:
 
     @property
     def token_s(self) -> float | None:
-        """Seconds per token of the steps that ran no prompt of the urgent class."""
-        return self._token_s.value
+        """Seconds per token of the steps that ran no prompt of the urgent class: of those
+        led by decode rows where there are any."""
+        decode = self._decode_token_s.value
+        return decode if decode is not None else self._token_s.value
 
     @property
     def single_step_s(self) -> float | None:
