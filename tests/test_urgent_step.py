@@ -230,7 +230,7 @@ def test_the_cap_is_priced_from_measured_steps_not_the_fit() -> None:
     # over the target, decode-led ones take about it, prompt chunks (cheaper) err short.
     assert max(s["duration"] for s in capped) <= 1.15 * target
     decode_led = sorted(s["duration"] / target for s in capped if _decode_led(s))
-    assert decode_led and 0.8 <= decode_led[len(decode_led) // 2] <= 1.05
+    assert decode_led and 0.8 <= decode_led[len(decode_led) // 2] <= 1.1
 
 
 def _decode_led(step: dict) -> bool:

@@ -56,6 +56,7 @@ def _shape(step: dict[str, Any]) -> dict[str, Any]:
         "decode_tokens": step["decode_tokens"],
         "seqs": step["seqs"],
         "threads": step["threads"],
+        "cap": step.get("policy_cap"),
         "wall_ms": (step["done_at"] - step["scheduled_at"]) * 1e3,
         "execute_ms": step["execute_ms"],
     }
@@ -86,12 +87,14 @@ def summarize_paths(paths: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def describe_log(path: str | Path, priority: int | None = None) -> str:
-    """A line per request (its path's steps as prefill+decode@threads:ms), then the summary."""
+    """A line per request (its path's steps as prefill+decode@threads/cap:ms), then the
+    summary."""
     paths = first_token_paths(load_steps(path), priority)
     lines = []
     for p in paths:
         shapes = " | ".join(
-            f"{s['prefill_tokens']}p+{s['decode_tokens']}d@{s['threads']}t:{s['wall_ms']:.1f}"
+            f"{s['prefill_tokens']}p+{s['decode_tokens']}d@{s['threads']}t/{s['cap']}:"
+            f"{s['wall_ms']:.1f}"
             for s in p["steps"]
         )
         lines.append(

@@ -130,4 +130,5 @@ class PriorityPolicy(BasePolicy):
         # `token_s` is the steps' own time per token, fixed cost included: a step of n
         # tokens that took d makes the cap n * step_s / d, so the cap settles where a
         # capped step takes step_s, whatever its rows cost (context, threads, neighbours).
-        return max(self.min_background_tokens, int(step_s / token_s))
+        # Rounded, not truncated: a cap one token short of its fixed point would stay there.
+        return max(self.min_background_tokens, round(step_s / token_s))
