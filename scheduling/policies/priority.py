@@ -22,11 +22,12 @@ class PriorityPolicy(BasePolicy):
     arrives, on average half of it. So while requests of the most urgent class seen in the
     last `window_s` share the engine with less urgent ones, each step's work for the less
     urgent ones is capped (`step_token_cap`) so that a step costs at most `urgent_wait` x
-    the predicted time of a typical urgent prefill (an online fit of observed steps), but
-    never below twice the step's fixed cost. On a CPU, where step time grows with the rows,
-    this trades background throughput for the urgent TTFT; where a step's cost is flat in
-    its rows (a GPU's decode) the cap is large and costs little. `urgent_wait=0` turns it
-    off.
+    the time of a typical urgent prefill, but never below twice the step's fixed cost;
+    both priced with measured step times (step_times.py; the cost model only until steps
+    have been seen). The cap and the urgent class are fixed once a step, in `begin_step`.
+    On a CPU, where step time grows with the rows, this trades background throughput for
+    the urgent TTFT; where a step's cost is flat in its rows (a GPU's decode) the cap is
+    large and costs little. `urgent_wait=0` turns it off.
     """
 
     name = "priority"
