@@ -17,7 +17,9 @@ Steps, all in this one run on this machine:
    tenants (heavy at 10x the requests of each of a, b, c; sent as `user`): per-tenant output
    tok/s while all four are backlogged, TTFT p50/p99, and Jain's index over those rates;
 5. urgent: on a priority daemon, priority-0 requests alone (idle TTFT), then the same requests
-   as --urgent-share of a Poisson stream at --urgent-load x saturation of priority-1 ones.
+   as --urgent-share of a Poisson stream at --urgent-load x saturation of priority-1 ones;
+   with --urgent-profile, each urgent request's steps from arrival to first token (how many,
+   what each carried, its cap, its time: daemon/bench/first_token.py).
 Prints the tables, and a RESULT line with the ratios slo/fcfs and priority/fcfs goodput, the
 priority-0 p99 TTFT loaded/unloaded, Jain's index of fair and fcfs, and the urgent TTFT
 loaded/idle (p50 and p99) under priority.
@@ -126,6 +128,11 @@ def run_urgent(
 ) -> list[str]:
     """priority: urgent (priority-0) TTFT alone, then inside a saturating priority-1 stream."""
     wait = "" if a.urgent_wait is None else f" --urgent-wait {a.urgent_wait}"
+    profile = out_dir / "urgent-steps.jsonl"
+    if a.urgent_profile:  # every step of the priority daemon, for the urgent paths below
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.unlink(missing_ok=True)
+        wait += f" --profile-steps {profile}"
     peer = LaunchedPeer("headrace", f"--policy priority {a.serve_args}{wait}", out_dir)
     n = max(8, round(a.requests * a.urgent_share))
     try:
@@ -137,6 +144,11 @@ def run_urgent(
         loaded = result["classes"]["urgent"]
     finally:
         peer.stop()
+    if a.urgent_profile:
+        from daemon.bench.first_token import describe_log
+
+        # One line per urgent request: the steps from its arrival to its first token.
+        print(describe_log(profile, priority=0))
     p50 = loaded["median_ttft_ms"] / (idle["median_ttft_ms"] or math.nan)
     p99 = loaded["p99_ttft_ms"] / (idle["p99_ttft_ms"] or math.nan)
     print(
@@ -169,6 +181,11 @@ def main() -> int:
     p.add_argument("--urgent-share", type=float, default=0.1)
     p.add_argument("--urgent-load", type=float, default=1.5, help="offered load / saturation")
     p.add_argument("--urgent-wait", type=float, help="the priority daemon's --urgent-wait")
+    p.add_argument(
+        "--urgent-profile",
+        action="store_true",
+        help="profile the priority daemon's steps; print each urgent request's steps",
+    )
     a = p.parse_args()
     parts = set(a.only.split(","))
     m = machine_description()

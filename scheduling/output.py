@@ -40,7 +40,8 @@ class CachedRequestData:
 
 @dataclass(slots=True)
 class TenantTokens:
-    """Tokens one tenant got in one step (what the `fair` policy charges it for)."""
+    """Tokens one tenant (or one priority class) got in one step: what the `fair` policy
+    charges a tenant for, and how `priority` tells an urgent step from a capped one."""
 
     prefill: int = 0
     decode: int = 0
@@ -57,6 +58,8 @@ class StepShape:
     num_context_tokens: int = 0
     # The same prefill/decode split per tenant (Request.tenant).
     tenant_tokens: dict[str, TenantTokens] = field(default_factory=dict)
+    # The same split per priority value (Request.priority).
+    priority_tokens: dict[int, TenantTokens] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -67,6 +67,11 @@ class Policy(Protocol):
     not a protocol member, so older plugins still match): a step that admits a new
     request ranked above running ones carries nothing ranked below it, so that request's
     first token is not slowed by the batch it jumped (the priority policy's urgent ones).
+
+    Optional method `begin_step(now, requests)` (read with getattr): called once per step,
+    before `rank`, with the requests about to be ranked (running, then admissible
+    waiting); a policy computes there what holds for the whole step, so that `rank` and
+    `step_token_cap` (scheduling/step_cap.py) stay cheap reads.
     """
 
     name: ClassVar[str]

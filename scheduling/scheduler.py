@@ -101,7 +101,11 @@ class Scheduler:
         now = self.clock()
         step = StepBuilder(self.config.max_num_batched_tokens)
         waiting = self._admissible_waiting(now)
-        ranks = {r.request_id: self.policy.rank(r, now) for r in [*self.running, *waiting]}
+        candidates = [*self.running, *waiting]
+        begin_step = getattr(self.policy, "begin_step", None)
+        if begin_step is not None:  # optional: per-step state computed once, before ranking
+            begin_step(now, candidates)
+        ranks = {r.request_id: self.policy.rank(r, now) for r in candidates}
         running = sorted(self.running, key=lambda r: ranks[r.request_id])
         waiting.sort(key=lambda r: ranks[r.request_id])
         ri = wi = 0

@@ -66,12 +66,17 @@ class StepBuilder:
             tenant = shape.tenant_tokens.get(req.tenant)
             if tenant is None:
                 tenant = shape.tenant_tokens[req.tenant] = TenantTokens()
+            klass = shape.priority_tokens.get(req.priority)
+            if klass is None:
+                klass = shape.priority_tokens[req.priority] = TenantTokens()
             if req.num_computed_tokens >= known - 1:
                 shape.num_decode_tokens += n
                 tenant.decode += n
+                klass.decode += n
             else:
                 shape.num_prefill_tokens += n
                 tenant.prefill += n
+                klass.prefill += n
             shape.num_context_tokens += req.num_computed_tokens + n
             req.num_computed_tokens += n
             if req.num_computed_tokens >= known:

@@ -357,6 +357,16 @@ def test_bench_serve_against_the_daemon_writes_result_and_png(daemon, tmp_path, 
     # The same run through the daemon's step log.
     assert main(["bench", "profile", str(daemon.log.parent / "steps.jsonl")]) == 0
     assert "RESULT overhead_share=" in capsys.readouterr().out
+    # Each request's first token, laid out over the steps since it arrived: the engine's
+    # share of a TTFT is inside what the client measured.
+    from daemon.bench.first_token import first_token_paths
+    from daemon.bench.profile import load_steps
+
+    # (The log is flushed every 64 steps: the run's last lines may still be buffered.)
+    paths = first_token_paths(load_steps(daemon.log.parent / "steps.jsonl"))
+    assert paths and all(p["steps"] and p["engine_ttft_ms"] > 0 for p in paths)
+    assert all(p["steps"][-1]["prefill_tokens"] + p["steps"][-1]["decode_tokens"] for p in paths)
+    assert min(p["engine_ttft_ms"] for p in paths) <= 1e3 * min(result["ttfts"])
 
 
 def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):

@@ -153,3 +153,126 @@ def test_urgent_wait_reaches_the_priority_policy_only() -> None:
         make_policy(EngineConfig(policy="fcfs", urgent_wait=0.5))
     with pytest.raises(ValueError, match="urgent_wait: must be >= 0"):
         make_policy(EngineConfig(policy="priority", urgent_wait=-1))
+
+
+# What a 2-core CPU's steps really cost, context included (attention over what each row
+# reads), which no token count alone prices.
+LIVE = StepCostModel(
+    base_s=0.0068, per_prefill_token_s=0.00035, per_decode_token_s=0.00095, per_context_token_s=2e-6
+)
+
+
+def live_like_run(policy: PriorityPolicy) -> tuple[list[dict], dict[str, float]]:
+    """The live benchmark's shape: a slow first-call step, urgent prompts alone (the idle
+    run), then a saturating priority-1 stream with urgent arrivals in it. Returns every
+    step (when it started, what it carried, its cap, its time) and the urgent arrivals."""
+    from scheduling.output import StepShape, StepStats
+    from scheduling.simulator import simulate
+    from scheduling.trace import TraceRequest
+
+    # The warm-up request's first step pays first-call costs: a second for 3 tokens.
+    policy.observe(StepStats(StepShape(3, 0, 1, 3, priority_tokens={}), 1.0))
+    trace = [TraceRequest(0.5 * i, 128, 8, 0, cls="idle") for i in range(8)]
+    trace += [TraceRequest(5.0 + 0.02 * i, 128, 32, 1, cls="batch") for i in range(120)]
+    trace += [TraceRequest(5.3 + 0.37 * i, 128, 8, 0, cls="urgent") for i in range(8)]
+    steps: list[dict] = []
+
+    def on_step(sched: Scheduler, out) -> None:
+        steps.append({"at": sched.clock(), "out": out, "cap": policy.step_cap})
+
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=4096)
+    result = simulate(trace, policy, LIVE, config, on_step=on_step)
+    for s in steps:
+        s["duration"] = LIVE.predict(s["out"].shape)
+    arrivals = {f"sim-{i}": t.arrival for i, t in enumerate(trace) if t.cls == "urgent"}
+    assert all(r.finish_reason == "length" for r in result.records)
+    return steps, arrivals
+
+
+def test_urgent_path_is_the_step_in_flight_then_its_own_prefill_alone() -> None:
+    policy = PriorityPolicy()  # the daemon's: the default (GPU) prior, fitted live
+    steps, arrivals = live_like_run(policy)
+    waits = []
+    for rid, arrival in arrivals.items():
+        own = next(i for i, s in enumerate(steps) if rid in _new_ids(s))
+        in_flight = [s for s in steps[:own] if s["at"] + s["duration"] > arrival]
+        # Its prompt is in the first step scheduled after it arrived ...
+        assert len(in_flight) == 1 and steps[own]["at"] >= arrival
+        shape = steps[own]["out"].shape
+        # ... which carries nothing of the batch (only earlier urgent requests' decodes),
+        assert 1 not in shape.priority_tokens
+        assert shape.priority_tokens[0].prefill == 128
+        # and the step it waited for held no more batch tokens than its cap.
+        prev = in_flight[0]
+        batch = prev["out"].shape.priority_tokens.get(1)
+        assert batch is not None and batch.prefill + batch.decode <= prev["cap"]
+        waits.append(prev["duration"])
+    # Those steps took about what the cap aims at: 0.3 of an idle urgent prefill, or two
+    # one-token steps where that is more.
+    bound = max(0.3 * LIVE.prefill_time(128), 2 * LIVE.predict(_one_decode()))
+    assert sum(waits) / len(waits) <= 1.1 * bound
+
+
+def test_the_cap_is_priced_from_measured_steps_not_the_fit() -> None:
+    """Live, the fit made the cap 2203, 1551, 140, 73 ... tokens in the first steps of a
+    load (a first-call step and an idle phase leave base and per-row costs unidentified),
+    so the first urgent arrivals waited for steps of 100-200 ms. Measured step times give
+    a cap that is small from the first loaded step and settles where capped steps take
+    the target, context costs included."""
+    policy = PriorityPolicy()
+    steps, _ = live_like_run(policy)
+    capped = [s for s in steps if s["cap"] is not None and 0 not in _prefilling(s)]
+    target = 0.3 * LIVE.prefill_time(128)
+    assert capped and capped[0]["at"] < 5.5  # capping from the start of the load
+    assert [s["cap"] for s in capped[:4]] == [4, 4, 4, 4]  # from the idle phase's small steps
+    assert max(s["cap"] for s in capped) <= 32
+    # Priced at decode-led steps' rate, context costs included: no capped step runs much
+    # over the target, decode-led ones take about it, prompt chunks (cheaper) err short.
+    assert max(s["duration"] for s in capped) <= 1.15 * target
+    decode_led = sorted(s["duration"] / target for s in capped if _decode_led(s))
+    assert decode_led and 0.8 <= decode_led[len(decode_led) // 2] <= 1.1
+
+
+def _decode_led(step: dict) -> bool:
+    shape = step["out"].shape
+    return shape.num_decode_tokens >= shape.num_prefill_tokens
+
+
+def _new_ids(step: dict) -> set[str]:
+    return {n.req_id for n in step["out"].scheduled_new_reqs}
+
+
+def _prefilling(step: dict) -> set[int]:
+    return {p for p, t in step["out"].shape.priority_tokens.items() if t.prefill}
+
+
+def _one_decode():
+    from scheduling.output import StepShape
+
+    return StepShape(0, 1, 1, 160)
+
+
+def test_a_first_call_step_and_an_idle_phase_do_not_lift_the_cap() -> None:
+    """The steps a live daemon's policy saw before a load (times from a 2-core run): the
+    warm-up's first call, urgent prompts alone and one-row decodes, then the load's first
+    steps. Least squares cannot tell base from per-row costs on those; the cap it gave
+    was None or thousands of tokens, and the first urgent arrival waited for a 200 ms
+    step of whole prompts. Measured, the cap is small at once."""
+    from scheduling.output import StepShape, StepStats, TenantTokens
+
+    def shape(prefill: int, decode: int, priority: int) -> StepShape:
+        tokens = {priority: TenantTokens(prefill, decode)}
+        return StepShape(prefill, decode, max(1, decode), prefill + 130 * decode, {}, tokens)
+
+    policy = PriorityPolicy()
+    seen = [(shape(3, 0, 0), 1.0)]  # the warm-up request's first step
+    for _ in range(8):  # the idle run: each urgent prompt alone, then its decodes
+        seen += [(shape(128, 0, 0), 0.100)] + [(shape(0, 1, 0), 0.011)] * 31
+    seen += [(shape(16, 0, 1), 0.036), (shape(0, 1, 1), 0.011), (shape(16, 1, 1), 0.040)]
+    for s, duration in seen:
+        policy.observe(StepStats(s, duration))
+    urgent, batch = make_request(128, priority=0), make_request(128, priority=1)
+    policy.begin_step(100.0, [urgent, batch])
+    # 0.3 x a 100 ms prompt is 30 ms, about 3 one-row steps: the floor of 4 tokens.
+    assert policy.step_cap == 4
+    assert policy.step_token_cap(batch, 100.0) == 4 and policy.step_token_cap(urgent, 100.0) is None
