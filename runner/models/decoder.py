@@ -193,7 +193,7 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
-        # Few-row decode steps as one C++ call, where every layer qualifies (set with the
+        # Decode-only steps as one C++ call, where every layer qualifies (set with the
         # attention backend: runner/models/fused_decode.py).
         self.fused_decode: FusedDecode | None = None
 
@@ -232,8 +232,8 @@ class DecoderForCausalLM(nn.Module):
         self.refresh_fused_decode()
 
     def refresh_fused_decode(self) -> None:
-        """Decide again whether few-row decode steps run as one C++ call: after anything
-        that changes the layers' kernels (formats, small-batch copies, LoRA wrappers)."""
+        """Decide again whether decode-only steps run as one C++ call: after anything that
+        changes the layers' kernels (formats, small-batch copies, LoRA wrappers)."""
         self.fused_decode = FusedDecode.build(list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
