@@ -154,6 +154,9 @@ class ReplicaSet:
     def _decoders(self) -> list[Replica]:
         return self.replicas if self.pd is None else self.pd.consumers()
 
+    def _is_producer(self, r: Replica) -> bool:
+        return self.pd is not None and self.pd.layout.is_producer(r.index)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def open(self, tokenizer: Any) -> None:
@@ -263,7 +266,7 @@ class ReplicaSet:
             r.restarts += 1
 
     def _lost(self, r: Replica, why: str) -> None:
-        if self.pd is not None and self.pd.layout.is_producer(r.index):
+        if self._is_producer(r):
             log.error(
                 "producer replica %d lost (%s); consumers compute its %d prompts; restarting",
                 r.index, why, len(r.streams),
@@ -295,7 +298,8 @@ class ReplicaSet:
                     continue
                 if delta.finished:
                     del r.streams[delta.request_id]
-                    if r in self._decoders():
+                    # Per finished request: an index test, not a scan of the replicas.
+                    if not self._is_producer(r):
                         self.totals.reported_cached_tokens += delta.num_cached_tokens
                 stream.put(delta)
         elif isinstance(message, Load):

@@ -252,17 +252,32 @@ class Linear(nn.Linear):
         if copy is None:
             self.batched_rows = 0
 
+    def kernel_for(self, rows: int) -> str:
+        """What a call of `rows` rows runs on: "padded" (fewer than `min_rows`), "small" (the
+        weight-only int8 copy), "batched" (the batched int8 copy), else the format. The
+        fused decoder stack (runner/models/fused_decode.py) follows the same choice."""
+        if rows < self.min_rows:
+            return "padded"
+        if self._small is not None and rows <= self.small_rows:
+            return "small"
+        if self._batched is not None and rows <= self.batched_rows:
+            return "batched"
+        return self.format
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        if x2.shape[0] < self.min_rows:  # the same kernel as larger calls: zero rows padded
+        kernel = self.kernel_for(x2.shape[0])
+        if kernel == "padded":  # the same kernel as larger calls: zero rows padded
             pad = x2.new_zeros(self.min_rows - x2.shape[0], x2.shape[1])
             y = self.forward(torch.cat([x2, pad]))[: x2.shape[0]]
             return y.view(*lead, y.shape[-1])
-        if self._small is not None and x2.shape[0] <= self.small_rows:
+        if kernel == "small":
+            assert self._small is not None
             y = self._small(x2, self.bias)
             return y.view(*lead, y.shape[-1])
-        if self._batched is not None and x2.shape[0] <= self.batched_rows:
+        if kernel == "batched":
+            assert self._batched is not None
             y = self._batched(x2, self.bias)
             return y.view(*lead, y.shape[-1])
         if self.format == "float":

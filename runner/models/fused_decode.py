@@ -9,10 +9,11 @@ itself take those ops:
 
 - the `cpu` attention backend (fused norms, RoPE, KV write, in-place decode attention);
 - Llama-style layers without tensor parallelism or per-head QK norm, every linear a plain
-  `Linear` (LoRA wrappers keep the layer path) with no row padding (`--deterministic`);
-- a step of one query per request, in flattened order, whose row count every linear serves
-  with a kernel decode_layers has: the int8 "rows" or AMX copies, the batched int8 copy,
-  oneDNN bf16 or float weights (the dynamic int8 format keeps the layer path).
+  `Linear` (LoRA wrappers keep the layer path);
+- a step of one query per request, in flattened order, for whose row count every linear
+  (`Linear.kernel_for`) takes a kernel decode_layers has: the int8 "rows" or AMX copies,
+  the batched int8 copy, oneDNN bf16 or float weights (rows padded for `--deterministic`
+  and the dynamic int8 format keep the layer path).
 
 The weights and kernel kinds for a row count are gathered once and kept (a step's lookup
 is a dict hit); `DecoderForCausalLM.refresh_fused_decode` starts over after anything that
@@ -44,20 +45,22 @@ def _slots(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
 def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | None:
     """(kind, slots) of the kernel `m.forward` takes for `rows` rows, or None where that is
     not one decode_layers calls."""
-    if type(m) is not Linear or m.min_rows:
+    if type(m) is not Linear:
         return None
-    if m._small is not None and rows <= m.small_rows:
-        kind = ROWS if m._small.layout == "rows" else AMX
-        return kind, _slots(m._small.weight, m._small.scale, m.bias)
-    if m._batched is not None and rows <= m.batched_rows:
+    kernel = m.kernel_for(rows)
+    if kernel == "small":
+        small = m._small
+        assert small is not None
+        return ROWS if small.layout == "rows" else AMX, _slots(small.weight, small.scale, m.bias)
+    if kernel == "batched":
         b = m._batched
-        kind = DOT if b.kernel == "dot" else WIDEN
-        return kind, _slots(b.packed, b.scale, b.colsum, m.bias)
-    if m.format == "onednn":
+        assert b is not None
+        return DOT if b.kernel == "dot" else WIDEN, _slots(b.packed, b.scale, b.colsum, m.bias)
+    if kernel == "onednn":
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
-    if m.format == "float":
+    if kernel == "float":
         return DENSE, _slots(m.weight, m.bias)
-    return None
+    return None  # padded calls and the dynamic int8 format keep the layer path
 
 
 class FusedDecode:
