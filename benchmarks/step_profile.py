@@ -88,13 +88,14 @@ def read_bandwidth() -> float:
 
 def weight_bytes(m: Linear, rows: int) -> int:
     """The bytes of weights `m` reads for a call of `rows` rows (the copy it takes then)."""
-    if m._small is not None and rows <= m.small_rows:
+    kernel = m.kernel_for(max(rows, m.min_rows))  # padded calls read what larger ones do
+    if kernel == "small" and m._small is not None:
         return m._small.weight.numel() + m._small.scale.numel() * 4
-    if m._batched is not None and rows <= m.batched_rows:
+    if kernel == "batched" and m._batched is not None:
         return m._batched.packed.numel() + m._batched.scale.numel() * 8
-    if m.format == "onednn":
+    if kernel == "onednn":
         return m.out_features * m.in_features * 2
-    if m.format == "int8":
+    if kernel == "int8":
         return m.out_features * m.in_features
     return m.weight.numel() * m.weight.element_size()
 
