@@ -32,6 +32,15 @@ def test_failure_only_for_stopped_outputs_that_break_the_schema(text, finish, fa
     assert (OutputCheck(POINT).failure(text, finish) is not None) == failed
 
 
+def test_numbers_past_a_double_are_json_but_nan_and_infinity_are_not():
+    # The JSON grammar allows any exponent; the fuzzer saw a model write one past 1e308.
+    anything = {}
+    assert OutputCheck(anything).failure('{"a": 1e999, "b": -2E+400}', "stop") is None
+    assert OutputCheck({"type": "integer"}).failure("1e999", "stop") is not None  # not an int
+    assert "not JSON" in OutputCheck(anything).failure('{"a": NaN}', "stop")
+    assert "not JSON" in OutputCheck(anything).failure("Infinity", "stop")
+
+
 def test_the_check_reads_the_schema_s_own_draft():
     draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer",
               "maximum": 5, "exclusiveMaximum": True}  # fmt: skip

@@ -9,12 +9,29 @@ error: a 500 for a plain request, an SSE error event before `[DONE]` for a strea
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from grammars.schema.validation import output_errors
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def loads(text: str) -> Any:
+    """JSON as RFC 8259 writes it. orjson refuses numbers past a double's range (1e999),
+    which the JSON grammar allows and a model may write: those documents are read by the
+    standard library instead (1e999 becomes inf; NaN and Infinity stay refused)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        if "number" not in str(e):
+            raise
+        return json.loads(text, parse_constant=_no_constant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +43,8 @@ class OutputCheck:
     def errors(self, text: str) -> list[str]:
         """Why `text` fails the schema (empty when it validates)."""
         try:
-            instance = orjson.loads(text)
-        except orjson.JSONDecodeError as e:
+            instance = loads(text)
+        except ValueError as e:  # orjson's and json's decode errors are both ValueErrors
             return [f"not JSON: {e}"]
         try:
             return output_errors(self.schema, instance)
