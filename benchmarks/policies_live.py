@@ -16,8 +16,9 @@ Steps, all in this one run on this machine:
 4. tenants: for fcfs and fair, a fresh daemon and --tenant-requests sent at once, drawn to four
    tenants (heavy at 10x the requests of each of a, b, c; sent as `user`): per-tenant output
    tok/s while all four are backlogged, TTFT p50/p99, and Jain's index over those rates;
-5. urgent: on a priority daemon, priority-0 requests alone (idle TTFT), then the same requests
-   as --urgent-share of a Poisson stream at --urgent-load x saturation of priority-1 ones;
+5. urgent: on a priority daemon, priority-0 requests one at a time (idle TTFT), the urgent
+   requests of the mix below alone at their own send times (they still queue behind each
+   other), then the mix: --urgent-share of a Poisson stream at --urgent-load x saturation;
    with --urgent-profile, each urgent request's steps from arrival to first token (how many,
    what each carried, its cap, its time: daemon/bench/first_token.py).
 Prints the tables, and a RESULT line with the ratios slo/fcfs and priority/fcfs goodput, the
@@ -35,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from daemon.bench.arrivals import arrival_offsets  # noqa: E402
 from daemon.bench.cli import (  # noqa: E402
     bench_once,
     build_requests,
@@ -49,11 +51,26 @@ def bench_args(extra: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "serve", "--no-progress", *extra])
 
 
-def run(peer: LaunchedPeer, tok: object, argv: list[str], rate: float, conc: int | None) -> dict:
+def run(
+    peer: LaunchedPeer,
+    tok: object,
+    argv: list[str],
+    rate: float,
+    conc: int | None,
+    only_class: str | None = None,
+) -> dict:
+    """One bench run. `only_class`: send only that class's requests, each at the time the
+    whole workload's schedule gives it (the class alone, arriving as it does in the mix)."""
     args = bench_args(argv)
     requests, classes = build_requests(args, tok)
     ep = make_endpoint(args, peer.url, None)
-    return bench_once(args, ep, requests, classes, tok, rate, conc, False)
+    offsets = None
+    if only_class is not None:
+        times = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
+        kept = [(r, t) for r, t in zip(requests, times) if r.request_class == only_class]
+        requests, offsets = [r for r, _ in kept], [t for _, t in kept]
+        classes = [c for c in classes if c.name == only_class]
+    return bench_once(args, ep, requests, classes, tok, rate, conc, False, offsets)
 
 
 def run_classes(
@@ -140,6 +157,10 @@ def run_urgent(
         idle = run(peer, tok, [*shape, "--num-prompts", str(n), "--seed", "5"], math.inf, 1)
         mix = ["--class", f"urgent:{a.urgent_share}:0", "--class", f"batch:{1 - a.urgent_share}:1"]
         argv = [*shape, *mix, "--num-prompts", str(round(n / a.urgent_share)), "--seed", "5"]
+        # Urgent requests also queue behind each other (one that arrives during another's
+        # prefill waits for it), which the one-at-a-time run never shows: the urgent stream
+        # alone, at the times it arrives in the mix, is the baseline that differs only by load.
+        alone = run(peer, tok, argv, rate, None, only_class="urgent")["classes"]["urgent"]
         result = run(peer, tok, argv, rate, None)
         loaded = result["classes"]["urgent"]
     finally:
@@ -149,17 +170,22 @@ def run_urgent(
 
         # One line per urgent request: the steps from its arrival to its first token.
         print(describe_log(profile, priority=0))
-    p50 = loaded["median_ttft_ms"] / (idle["median_ttft_ms"] or math.nan)
-    p99 = loaded["p99_ttft_ms"] / (idle["p99_ttft_ms"] or math.nan)
+
+    def ratio(key: str, base: dict) -> float:
+        return loaded[key] / (base[key] or math.nan)
+
     print(
-        f"urgent TTFT idle p50/p99 {idle['median_ttft_ms']:.0f}/{idle['p99_ttft_ms']:.0f} ms; "
-        f"under priority-1 load at {rate:.2f} req/s: {loaded['median_ttft_ms']:.0f}/"
-        f"{loaded['p99_ttft_ms']:.0f} ms (n={loaded['completed']}); "
-        f"all classes {result['output_throughput']:.1f} output tok/s"
+        f"urgent TTFT p50/p99: idle (one at a time) {idle['median_ttft_ms']:.0f}/"
+        f"{idle['p99_ttft_ms']:.0f} ms; the urgent stream alone {alone['median_ttft_ms']:.0f}/"
+        f"{alone['p99_ttft_ms']:.0f} ms; under priority-1 load at {rate:.2f} req/s "
+        f"{loaded['median_ttft_ms']:.0f}/{loaded['p99_ttft_ms']:.0f} ms "
+        f"(n={loaded['completed']}); all classes {result['output_throughput']:.1f} output tok/s"
     )
     return [
-        f"priority_urgent_ttft_p50_loaded_over_idle={p50:.2f}",
-        f"priority_urgent_ttft_p99_loaded_over_idle={p99:.2f}",
+        f"priority_urgent_ttft_p50_loaded_over_idle={ratio('median_ttft_ms', idle):.2f}",
+        f"priority_urgent_ttft_p99_loaded_over_idle={ratio('p99_ttft_ms', idle):.2f}",
+        f"priority_urgent_ttft_p50_loaded_over_alone={ratio('median_ttft_ms', alone):.2f}",
+        f"priority_urgent_ttft_p99_loaded_over_alone={ratio('p99_ttft_ms', alone):.2f}",
         f"urgent_offered_req_s={rate:.3f}",
         f"urgent_load_output_tok_s={result['output_throughput']:.1f}",
     ]

@@ -14,7 +14,7 @@ from daemon.bench.arrivals import arrival_offsets
 from daemon.bench.client import check_loopback, parse_prometheus, server_deltas
 from daemon.bench.profile import summarize_steps
 from daemon.bench.results import RequestRecord, SLOSpec, output_rate_series, summarize
-from daemon.bench.serve import RunOutcome, RunSpec, build_result, format_report
+from daemon.bench.serve import RunOutcome, RunSpec, build_result, format_report, spec_offsets
 from daemon.bench.workloads import (
     BenchRequest,
     RequestClass,
@@ -123,6 +123,15 @@ def test_infinite_rate_sends_everything_at_once_and_bad_rates_fail():
         arrival_offsets(5, 0.0)
     with pytest.raises(ValueError, match="burstiness"):
         arrival_offsets(5, 1.0, burstiness=0)
+
+
+def test_explicit_send_times_replace_the_drawn_ones_and_must_match_the_requests():
+    drawn = RunSpec(request_rate=4.0, seed=2)
+    assert spec_offsets(drawn, 6) == arrival_offsets(6, 4.0, 1.0, seed=2)
+    given = RunSpec(request_rate=4.0, offsets=(0.5, 1.25, 3.0))
+    assert spec_offsets(given, 3) == [0.5, 1.25, 3.0]
+    with pytest.raises(ValueError, match="3 send times for 4 requests"):
+        spec_offsets(given, 4)
 
 
 def test_length_distribution_bounds_and_mean():

@@ -159,8 +159,10 @@ def bench_once(
     rate: float,
     concurrency: int | None,
     progress: bool,
+    offsets: list[float] | None = None,
 ) -> dict[str, Any]:
-    """One run, summarised into a result dict (with the per-second output rate series)."""
+    """One run, summarised into a result dict (with the per-second output rate series).
+    `offsets`: each request's send time, instead of times drawn from `rate`."""
     spec = RunSpec(
         request_rate=rate,
         burstiness=args.burstiness,
@@ -168,6 +170,7 @@ def bench_once(
         max_duration_s=args.max_duration,
         seed=args.seed,
         progress=progress,
+        offsets=None if offsets is None else tuple(offsets),
     )
 
     def count(text: str) -> int:

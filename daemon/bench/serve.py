@@ -34,6 +34,9 @@ class RunSpec:
     warmup: int = 1
     progress: bool = False
     poll_metrics_s: float = 0.5
+    # Send times in seconds from the start, one per request, instead of drawing them from
+    # the rate: replays part of another run's schedule (a class alone, at its own times).
+    offsets: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +92,15 @@ async def discover_model(session: aiohttp.ClientSession) -> str | None:
     return None
 
 
+def spec_offsets(spec: RunSpec, n: int) -> list[float]:
+    """The send times of `n` requests: the spec's own, or drawn from its rate."""
+    if spec.offsets is None:
+        return arrival_offsets(n, spec.request_rate, spec.burstiness, spec.seed)
+    if len(spec.offsets) != n:
+        raise ValueError(f"offsets: {len(spec.offsets)} send times for {n} requests")
+    return list(spec.offsets)
+
+
 async def run_workload(
     ep: Endpoint, requests: list[BenchRequest], spec: RunSpec, count_tokens: Any
 ) -> RunOutcome:
@@ -104,7 +116,7 @@ async def run_workload(
             if rec.error and rec.error.startswith(("ClientConnectorError", "HTTP 404")):
                 raise ConnectionError(f"{ep.base_url}: warm-up request failed: {rec.error}")
         before = await scrape(session)
-        offsets = arrival_offsets(len(requests), spec.request_rate, spec.burstiness, spec.seed)
+        offsets = spec_offsets(spec, len(requests))
         sem = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
         progress = _Progress(len(requests), spec.progress)
         records: list[RequestRecord | None] = [None] * len(requests)
