@@ -150,7 +150,10 @@ def run_urgent(
         profile.parent.mkdir(parents=True, exist_ok=True)
         profile.unlink(missing_ok=True)
         wait += f" --profile-steps {profile}"
-    peer = LaunchedPeer("headrace", f"--policy priority {a.serve_args}{wait}", out_dir)
+    # The three runs below send the same prompts (one seed): with prefix caching on, a later
+    # run would find an earlier one's prompts cached and its TTFT would not compare.
+    flags = f"--policy priority --no-enable-prefix-caching {a.serve_args}{wait}"
+    peer = LaunchedPeer("headrace", flags, out_dir)
     n = max(8, round(a.requests * a.urgent_share))
     try:
         peer.wait_ready(600)
