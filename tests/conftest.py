@@ -6,6 +6,7 @@ import itertools
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from daemon_fixtures import Daemon
@@ -135,6 +136,21 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def isa_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory for the kernel builds with narrowed ISA flags (`-mno-avx512f`...).
+
+    The tests that rerun kernel tests on such a build in a subprocess all point it here, and
+    both xdist workers share it (torch's builder locks a build directory): each flag set
+    builds once per run instead of once per test, ~100 s apiece on two cores.
+    """
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base
+    path = root / "isa-builds"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")

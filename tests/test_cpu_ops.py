@@ -351,11 +351,15 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
-def test_the_avx2_build_passes_these_tests_too(tmp_path):
+def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
     # Here the same tests (and the LoRA kernel's and the fused decoder's) run in a fresh
     # process on a build without AVX-512.
-    env = {**os.environ, EXTRA_CFLAGS_ENV: "-mno-avx512f", "HEADRACE_CACHE_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        EXTRA_CFLAGS_ENV: "-mno-avx512f",
+        "HEADRACE_CACHE_DIR": str(isa_build_cache),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
@@ -364,4 +368,4 @@ def test_the_avx2_build_passes_these_tests_too(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
-    assert any(tmp_path.glob("cpu_ops/*/built.ok"))  # it really built its own library
+    assert any(isa_build_cache.glob("cpu_ops/*/built.ok"))  # it built its own library

@@ -171,9 +171,13 @@ def test_greedy_with_the_kernel_equals_the_reference(tmp_path):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
-def test_the_avx2_build_passes_these_tests_too(tmp_path):
+def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
     # The same tests in a fresh process on a build without AVX-512 (the 8-lane paths).
-    env = {**os.environ, EXTRA_CFLAGS_ENV: "-mno-avx512f", "HEADRACE_CACHE_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        EXTRA_CFLAGS_ENV: "-mno-avx512f",
+        "HEADRACE_CACHE_DIR": str(isa_build_cache),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "not avx2_build"],
@@ -181,4 +185,4 @@ def test_the_avx2_build_passes_these_tests_too(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
-    assert any(tmp_path.glob("cpu_ops/*/built.ok"))  # it really built its own library
+    assert any(isa_build_cache.glob("cpu_ops/*/built.ok"))  # it built its own library
