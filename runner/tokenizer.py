@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import shutil
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -31,7 +33,12 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file.name)
-    # A read-only cache only costs the conversion time at the next start.
+    # Saved beside the target and renamed into place: replicas starting together convert at
+    # once, and one must never load another's half-written directory. A read-only cache
+    # only costs the conversion time at the next start.
+    staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
-        tok.save_pretrained(cached)
+        tok.save_pretrained(staging)
+        staging.rename(cached)  # fails when another process got there first: theirs stays
+    shutil.rmtree(staging, ignore_errors=True)
     return tok
