@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernel_for, batched_kernels
+from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
 from runner.layers.linear import Linear
 from runner.platform import best_of_interleaved
 
@@ -52,7 +52,7 @@ def _sweep(
         for m in layers:
             m.small_rows, m.batched_rows = small, batched
             assert m.batched_int8 is not None
-            m.batched_int8.kernel = batched_kernel_for(m.int8_inputs, kernel) or kernel
+            m.batched_int8.kernel = kernel
             m(x[m.in_features])
 
     return run
@@ -124,6 +124,6 @@ def measure_batched_rows(
             m.set_batched_int8(None)
         else:
             assert m.batched_int8 is not None
-            m.batched_int8.kernel = batched_kernel_for(m.int8_inputs, kernel) or kernel
+            m.batched_int8.kernel = kernel
             m.batched_rows = batched_rows
     return BatchedChoice(kernel, batched_rows, small_rows, times)

@@ -107,8 +107,8 @@ def test_batched_int8_copies_fused(kernel):
     if kernel not in batched_kernels():
         pytest.skip(f"this build has no {kernel!r} batched kernel")  # AVX2-only CPUs lack dot
     kinds = equal_steps(build(torch.bfloat16, batched=kernel), torch.bfloat16, 6)
-    # Layers whose inputs keep float (int8_inputs False) widen even when "dot" is chosen.
-    assert kinds == ([DOT, WIDEN] if kernel == "dot" else [WIDEN])
+    # Every layer takes the chosen kernel, the MLP's (int8_inputs False) too.
+    assert kinds == ([DOT] if kernel == "dot" else [WIDEN])
 
 
 @pytest.mark.skipif(

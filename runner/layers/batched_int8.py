@@ -4,8 +4,9 @@ The C++ kernel (runner/cpu_ops/batched_int8.cpp) reads the int8 weight once per 
 multiplies it into register tiles of several rows, one of two ways:
 
 ```
-dot     activations quantised per row to int8 (dynamic scale), int8 dot products in int32
-        (AVX-512 VNNI, AVX-VNNI, or AVX2 madd that cannot saturate)
+dot     activations quantised to int8 per row and per group of 32 inputs (dynamic scales),
+        int8 dot products in int32 (AVX-512 VNNI, AVX-VNNI, or AVX2 madd that cannot
+        saturate)
 widen   int8 weights widened in registers: bf16 pairs (AVX512-BF16) or fp32 FMA
 ```
 
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 BATCHED_KERNELS = ("dot", "widen")
-# The kernels the start-up measurement may choose. NOTE: "dot" is left out: its per-row int8
-# activations cost +2.3-2.5% perplexity on SmolLM2 (1024 tokens, 64 rows a forward; "widen"
-# +0.95%), over the +2% quality target (benchmarks/quality_int8.py); it stays built, tested
-# and measured by benchmarks/cpu_kernels.py for a model or CPU where it is worth revisiting.
-AUTO_KERNELS = ("widen",)
+# The kernels the start-up measurement may choose: both are within the +2% perplexity target
+# on SmolLM2 (benchmarks/quality_int8.py; the per-layer figures are in docs/performance.md).
+# "dot" scales activations per group of 32 inputs: per row, as it first did, an outlier
+# channel coarsened the whole row and it cost +2.5%, so the MLP layers widened instead.
+AUTO_KERNELS = ("dot", "widen")
 
 
 def batched_kernels() -> dict[str, str]:
@@ -35,15 +36,6 @@ def batched_kernels() -> dict[str, str]:
     if load_cpu_ops() is not None:
         return {}
     return dict(entry.split(":", 1) for entry in torch.ops.headrace.batched_int8_kernels())
-
-
-def batched_kernel_for(int8_inputs: bool, kernel: str) -> str | None:
-    """The kernel a layer takes when `kernel` is chosen: layers whose inputs carry outlier
-    channels (`Linear.int8_inputs` False) never quantise them, so they widen instead (None
-    where this build cannot)."""
-    if int8_inputs or kernel != "dot":
-        return kernel
-    return "widen" if "widen" in batched_kernels() else None
 
 
 @dataclass(slots=True)

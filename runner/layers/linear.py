@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.layers.batched_int8 import BatchedInt8, batched_kernel_for
+from runner.layers.batched_int8 import BatchedInt8
 
 FORMATS = ("float", "onednn", "int8")
 INT8_KERNELS = ("fbgemm", "int_mm")
@@ -200,10 +200,8 @@ class Linear(nn.Linear):
         if small_batch_int8:
             self._small = SmallBatchInt8.from_weight(self.weight.detach(), small_batch_int8)
         if batched_int8:
-            kernel = batched_kernel_for(self.int8_inputs, batched_int8)
-            if kernel is not None:
-                q, scale = Int8Weight.quantize_rows(self.weight.detach())
-                self._batched = BatchedInt8.from_rows(q, scale, kernel)
+            q, scale = Int8Weight.quantize_rows(self.weight.detach())
+            self._batched = BatchedInt8.from_rows(q, scale, batched_int8)
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":
