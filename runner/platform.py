@@ -12,8 +12,8 @@ machine's figures):
   ran ~100x slower than fp32).
 - quantization auto: int8 on CPU when the checkpoint is already quantised (a Q4/Q8 GGUF, so
   int8 loses little more) and int8 beats the float path by 10% in a micro-benchmark of the
-  model's own linear layers, each format at the activation dtype it would run with; none on
-  CUDA.
+  model's own linear layers, each format at the activation dtype it would run with and the
+  float path with the int8 copies it would keep (below); none on CUDA.
 - bf16 linears go through oneDNN with the weight reordered once when available, else F.linear.
 - small-batch int8 (quantised checkpoint, quantization auto, weights not int8 already, the CPU
   kernels built): every linear also keeps a weight-only int8 copy, used for calls of up to
@@ -263,6 +263,7 @@ def select_platform(
     exact = quantization == "int8" and not feats.vnni
     kernel = "int_mm" if exact else default_int8_kernel()
     fmt = float_format
+    copies = _float_copies(feats, chosen, deterministic, quantization, checkpoint_quantized)
     if quantization == "int8":
         fmt = "int8"
     elif quantization == "auto":
@@ -272,7 +273,7 @@ def select_platform(
             if int8_faster is None:
                 # int8 runs with fp32 activations unless the user fixed the dtype (below).
                 int8_dtype = torch.float32 if dtype == "auto" else chosen
-                faster = int8_beats_float(chosen, float_format, int8_dtype, linears)
+                faster = int8_beats_float(chosen, float_format, int8_dtype, linears, *copies)
             else:
                 faster = int8_faster(chosen, float_format)
             fmt = "int8" if faster else float_format
@@ -288,26 +289,7 @@ def select_platform(
         reasons.append("int8 linears keep float32 activations and KV cache")
     if fmt == "int8" and feats.native_bf16 and onednn_bf16_available():
         float_format = "onednn"  # the layers int8 leaves float: bf16 weights where native
-    # The GEMV takes fp32 or bf16 activations (not fp16).
-    small = (
-        not deterministic
-        and quantization == "auto"
-        and checkpoint_quantized
-        and fmt != "int8"
-        and chosen in (torch.float32, torch.bfloat16)
-    )
-    small_layout = batched = None
-    if small:
-        from runner.cpu_ops import load_cpu_ops
-
-        if load_cpu_ops() is None:
-            # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
-            amx = chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable()
-            small_layout = "amx" if amx else "rows"
-            if not amx:
-                from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
-
-                batched = next((k for k in AUTO_KERNELS if k in batched_kernels()), None)
+    small_layout, batched = (None, None) if fmt == "int8" else copies
     return Platform(
         device,
         chosen,
@@ -321,6 +303,35 @@ def select_platform(
         deterministic=deterministic,
         reasons=reasons,
     )
+
+
+def _float_copies(
+    feats: CpuFeatures,
+    chosen: torch.dtype,
+    deterministic: bool,
+    quantization: str,
+    checkpoint_quantized: bool,
+) -> tuple[str | None, str | None]:
+    """The int8 copies the float format would keep: the small-batch layout and the batched
+    kernel (None each where there would be none)."""
+    # The GEMV takes fp32 or bf16 activations (not fp16).
+    if (
+        deterministic
+        or quantization != "auto"
+        or not checkpoint_quantized
+        or chosen not in (torch.float32, torch.bfloat16)
+    ):
+        return None, None
+    from runner.cpu_ops import load_cpu_ops
+
+    if load_cpu_ops() is not None:
+        return None, None
+    # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
+    if chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable():
+        return "amx", None
+    from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
+
+    return "rows", next((k for k in AUTO_KERNELS if k in batched_kernels()), None)
 
 
 def _cuda_platform(device: torch.device, dtype: str, quantization: str) -> Platform:
@@ -369,6 +380,8 @@ def int8_beats_float(
     float_format: str,
     int8_dtype: torch.dtype,
     linears: Sequence[LinearShape] = (),
+    small_layout: str | None = None,
+    batched_kernel: str | None = None,
     rows: Sequence[int] = (1, 32),
     reps: int = 5,
     margin: float = 0.9,
@@ -376,7 +389,13 @@ def int8_beats_float(
     """Micro-benchmark at start-up (under a second): the model's linear layers, once as
     the float path runs them (`dtype`, `float_format`) and once as the int8 path would (int8
     where a layer takes int8 inputs, `float_format` elsewhere, `int8_dtype` activations), at
-    decode batch sizes; int8 must be `margin` of the float time or less.
+    decode batch sizes; int8 must be `margin` of the float time or less. The float side keeps
+    the int8 copies it would serve those rows with (`small_layout`, `batched_kernel`; the
+    int8 format keeps none).
+
+    NOTE: timed without the copies, fbgemm won on a Sapphire Rapids guest with AMX masked
+    (AVX512-BF16 + VNNI, as Zen 4), where the float format with its copies ran decode steps
+    2.4x (8 rows) and 1.9x (32 rows) faster and fbgemm cost +2.1% perplexity, over the target.
 
     NOTE: a single-layer comparison flipped between runs on a Sapphire Rapids guest (LM head
     int8 2.46 vs bf16 2.65 ms) while whole decode steps were 12-30% slower in int8 there: the
@@ -394,7 +413,14 @@ def int8_beats_float(
                 layer = Linear(shape.in_features, shape.out_features, bias=False,
                                int8_inputs=shape.int8_inputs)  # fmt: skip
                 layer.weight.data = weight.to(act)
-                layer.pack(float_format if name == "float" else "int8", float_format=float_format)
+                if name == "float":
+                    layer.pack(float_format, small_batch_int8=small_layout,
+                               batched_int8=batched_kernel)  # fmt: skip
+                    # The small copy serves one row, the batched (or AMX) one the rest.
+                    layer.small_rows = 64 if small_layout == "amx" else 1
+                    layer.batched_rows = 64
+                else:
+                    layer.pack("int8", float_format=float_format)
                 inputs = [torch.randn(n, shape.in_features, dtype=act) for n in rows]
                 layers[name] = (layer, inputs)
             best = best_of_interleaved(

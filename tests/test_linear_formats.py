@@ -243,3 +243,39 @@ def test_int8_micro_benchmark_times_every_model_shape_against_its_margin():
     # int8 can never take no time at all, and always takes less than a thousand times float.
     assert not int8_beats_float(**kw, linears=shapes, margin=0.0)
     assert int8_beats_float(**kw, linears=shapes, margin=1000.0)
+
+
+def test_int8_is_timed_against_the_float_format_with_the_copies_it_would_keep(monkeypatch):
+    import runner.platform as platform
+    from runner.cpu_ops import load_cpu_ops
+    from runner.layers.batched_int8 import BatchedInt8, batched_kernels
+    from runner.layers.linear import LinearShape, SmallBatchInt8
+
+    if load_cpu_ops() is not None or "dot" not in batched_kernels():
+        pytest.skip("needs the CPU kernels with the batched dot kernel")
+    used = []
+
+    def spy(cls):
+        call = cls.__call__
+
+        def counted(self, x, bias):
+            used.append((cls.__name__, x.shape[0]))
+            return call(self, x, bias)
+
+        monkeypatch.setattr(cls, "__call__", counted)
+
+    spy(SmallBatchInt8)
+    spy(BatchedInt8)
+    kw = dict(dtype=torch.float32, float_format="float", int8_dtype=torch.float32)
+    platform.int8_beats_float(**kw, linears=[LinearShape(64, 64, True, 1)], reps=1,
+                              small_layout="rows", batched_kernel="dot")  # fmt: skip
+    # One row on the GEMV copy, 32 on the batched copy, as a decode step would run them.
+    assert {("SmallBatchInt8", 1), ("BatchedInt8", 32)} <= set(used), set(used)
+
+    # select_platform hands the measurement the copies the float format would keep here.
+    seen = []
+    monkeypatch.setattr(platform, "int8_beats_float", lambda *a: seen.append(a[4:]) or False)
+    feats = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, vnni=True)
+    chosen = select_platform(torch.device("cpu"), "float32", "auto", True, features=feats)
+    assert seen == [("rows", "dot")]
+    assert chosen.small_batch_int8 == "rows" and chosen.batched_int8 == "dot"
