@@ -2,12 +2,13 @@
 
 Every linear of the loaded model holds a `BatchedInt8` copy (runner/layers/batched_int8.py);
 this times, over all of the model's linears in turn (so the weights stream from memory as in
-a real step), at each candidate row count: the layer's own format, the small-batch copy
-where it serves that many rows, and each of `AUTO_KERNELS` (the kernels within the quality
-target) this build has. The kernel with the least total time is kept; `batched_rows` is the
-end of the first unbroken run of row counts at which it beats the path that would run
-otherwise (the own format by `margin`, the small copy outright). Where that run starts
-inside `small_rows`, the small copy gives those rows up.
+a real step), at each candidate row count (decode steps' 8-64 and prompt chunks' 128-256:
+where the float format is slow, prompts gain as much), the layer's own format, the
+small-batch copy where it serves that many rows, and each of `AUTO_KERNELS` (the kernels
+within the quality target) this build has. The kernel with the least total time is kept;
+`batched_rows` is the end of the first unbroken run of row counts at which it beats the path
+that would run otherwise (the own format by `margin`, the small copy outright). Where that
+run starts inside `small_rows`, the small copy gives those rows up.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def choose(
 def measure_batched_rows(
     model: torch.nn.Module,
     dtype: torch.dtype,
-    candidates: Sequence[int] = (8, 16, 32, 64),
+    candidates: Sequence[int] = (8, 16, 32, 64, 128, 256),
     reps: int = 3,
     margin: float = 0.9,
     candidates_kernels: Sequence[str] = AUTO_KERNELS,

@@ -1,4 +1,4 @@
-// Batched weight-only int8 linear without AMX: y = x @ (q * scale)^T + bias for 8-64 rows.
+// Batched weight-only int8 linear without AMX: y = x @ (q * scale)^T + bias for 8-256 rows.
 //
 // A decode step of a few dozen requests still reads every weight once, so int8 weights
 // (1 byte) beat oneDNN's bf16 (2 bytes) as long as the arithmetic keeps up with the memory;
