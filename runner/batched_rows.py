@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner.format_timing import best_of_interleaved
 from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
 from runner.layers.linear import Linear
-from runner.platform import best_of_interleaved
 
 log = logging.getLogger("headrace.platform")
 

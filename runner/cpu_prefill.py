@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runner import attention
-from runner.platform import best_of_interleaved
+from runner.format_timing import best_of_interleaved
 
 log = logging.getLogger("headrace.cpu_prefill")
 

@@ -269,8 +269,8 @@ def test_linear_uses_its_int8_copy_only_up_to_small_rows(layout):
 
 
 def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
+    from runner.format_timing import measure_small_rows
     from runner.layers.linear import Linear, pack_linears
-    from runner.platform import measure_small_rows
 
     model = torch.nn.Sequential(Linear(256, 512), Linear(512, 256))
     pack_linears(model, "float", small_batch_int8="rows")

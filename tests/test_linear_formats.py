@@ -232,8 +232,8 @@ def test_int8_keeps_outlier_layers_in_the_float_format():
 
 
 def test_int8_micro_benchmark_times_every_model_shape_against_its_margin():
+    from runner.format_timing import int8_beats_float
     from runner.layers.linear import LinearShape
-    from runner.platform import int8_beats_float
 
     model = nn.Sequential(Linear(32, 96, int8_inputs=True), Linear(96, 32, int8_inputs=False))
     model.append(Linear(32, 96))
