@@ -20,7 +20,9 @@
 //     BN = batched_int8_block() channels (64 on AVX-512 builds, 16 on AVX2): one block is
 //     one contiguous stream, read by one thread.
 //   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], colsum [N] int32, bias?, N,
-//     kernel) -> [M, N] x.dtype; colsum[n] = sum_k q[n, k] (the "dot" offset correction).
+//     kernel) -> [M, N] x.dtype; colsum[n] = sum_k q[n, k], checked but unused since "dot"
+//     corrects per activation group (NOTE: kept so the fused plan's four slots per linear
+//     stay as they are; dropping it is a signature change for ops.h and fused_decode).
 //   batched_int8_kernels() -> this build's kernels as "name:isa".
 
 #include <ATen/ATen.h>
@@ -396,7 +398,7 @@ std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
 
 template <class K, typename T>
 void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
-              const at::Tensor& colsum, const float* bias, int64_t n_dim, at::Tensor& out) {
+              const float* bias, int64_t n_dim, at::Tensor& out) {
   using X = typename K::X;
   const int64_t rows = x.size(0), width = k4n * 4;
   const std::vector<float> xf = padded_fp32(x, k4n);
@@ -439,12 +441,11 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
 
 template <class K>
 void dispatch_dtype(const at::Tensor& x, int64_t k4n, const at::Tensor& packed,
-                    const at::Tensor& sc, const at::Tensor& colsum, const float* bias,
-                    int64_t n_dim, at::Tensor& out) {
+                    const at::Tensor& sc, const float* bias, int64_t n_dim, at::Tensor& out) {
   if (x.scalar_type() == at::kFloat)
-    dispatch<K, float>(x, k4n, packed, sc, colsum, bias, n_dim, out);
+    dispatch<K, float>(x, k4n, packed, sc, bias, n_dim, out);
   else
-    dispatch<K, c10::BFloat16>(x, k4n, packed, sc, colsum, bias, n_dim, out);
+    dispatch<K, c10::BFloat16>(x, k4n, packed, sc, bias, n_dim, out);
 }
 
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -471,18 +472,18 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(bias->numel() == n_dim, "batched_int8_linear: one bias per output channel");
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor sc = scale.contiguous(), cs = colsum.contiguous();
+  const at::Tensor sc = scale.contiguous();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
   if (x.size(0) == 0) return out;
   if (kernel == "dot") {
 #if HR_DOT
-    dispatch_dtype<Dot>(x, k4n, packed, sc, cs, bp, n_dim, out);
+    dispatch_dtype<Dot>(x, k4n, packed, sc, bp, n_dim, out);
     return out;
 #endif
   } else if (kernel == "widen") {
 #if HR_WIDEN
-    dispatch_dtype<Widen>(x, k4n, packed, sc, cs, bp, n_dim, out);
+    dispatch_dtype<Widen>(x, k4n, packed, sc, bp, n_dim, out);
     return out;
 #endif
   }

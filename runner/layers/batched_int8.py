@@ -41,7 +41,8 @@ def batched_kernels() -> dict[str, str]:
 @dataclass(slots=True)
 class BatchedInt8:
     """An [N, K] weight as int8 (per-output-channel fp32 scales) packed for the batched
-    kernel, with each channel's int8 sum (the "dot" kernel's offset correction)."""
+    kernel, with each channel's int8 sum (the op's `colsum`, no longer read: see
+    batched_int8.cpp)."""
 
     packed: torch.Tensor  # [ceil(N/BN), ceil(K/4), BN, 4] int8
     scale: torch.Tensor  # [N] fp32
