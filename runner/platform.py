@@ -174,18 +174,22 @@ class Platform:
             )
         if self.small_batch_int8:
             self.small_rows = measure_small_rows(model, self.dtype)
+        batched = None
+        if self.batched_int8:
+            from runner.batched_rows import measure_batched_rows
+
+            batched = measure_batched_rows(model, self.dtype)
+            self.batched_int8, self.batched_rows = batched.kernel, batched.batched_rows
+            self.small_rows = batched.small_rows
+        # Told after the batched measurement, which may have lowered `small_rows`.
+        if self.small_batch_int8:
             self.reasons.append(
                 f"small-batch int8 weights ({self.small_batch_int8}) for <= {self.small_rows} rows"
                 if self.small_rows
                 else "small-batch int8 weights: not faster here, dropped"
             )
-        if self.batched_int8:
-            from runner.batched_rows import measure_batched_rows
-
-            choice = measure_batched_rows(model, self.dtype)
-            self.batched_int8, self.batched_rows = choice.kernel, choice.batched_rows
-            self.small_rows = choice.small_rows
-            self.reasons.append(choice.describe())
+        if batched is not None:
+            self.reasons.append(batched.describe())
 
     def _pack(self, model: torch.nn.Module, batched_int8: str | None) -> dict[str, int]:
         return pack_linears(

@@ -195,6 +195,24 @@ def test_measurement_sets_the_layers_or_drops_the_copies():
     assert model[0].batched_int8 is None and model[0].batched_rows == 0
 
 
+def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monkeypatch):
+    import runner.batched_rows
+    import runner.platform as hw
+
+    kernels()  # the kernels are built (or this fails, as everywhere in this file)
+    monkeypatch.setattr(hw, "measure_small_rows", lambda model, dtype: 16)
+    # The batched kernel wins from 8 rows: the small copies give up 5-16 (runner/batched_rows).
+    won = runner.batched_rows.BatchedChoice("dot", 64, 4)
+    monkeypatch.setattr(runner.batched_rows, "measure_batched_rows", lambda model, dtype: won)
+    chosen = hw.Platform(torch.device("cpu"), torch.float32, "float",
+                         small_batch_int8="rows", batched_int8="dot")  # fmt: skip
+    chosen.prepare(torch.nn.Sequential(Linear(64, 64)))
+    assert chosen.small_rows == 4 and chosen.batched_rows == 64
+    told = chosen.describe()
+    assert "(rows) for <= 4 rows" in told and "for 5-64 rows" in told, told
+    assert told.index("<= 4 rows") < told.index("5-64 rows")
+
+
 def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch):
     from model_fixtures import engine_for
 
