@@ -21,8 +21,8 @@
 //     one contiguous stream, read by one thread.
 //   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], colsum [N] int32, bias?, N,
 //     kernel) -> [M, N] x.dtype; colsum[n] = sum_k q[n, k], checked but unused since "dot"
-//     corrects per activation group (NOTE: kept so the fused plan's four slots per linear
-//     stay as they are; dropping it is a signature change for ops.h and fused_decode).
+//     corrects per activation group. NOTE: dead; dropping it touches ops.h, the fused plan's
+//     slots (fused_decode.py/.cpp) and BatchedInt8, which still sums it at load.
 //   batched_int8_kernels() -> this build's kernels as "name:isa".
 
 #include <ATen/ATen.h>
