@@ -103,13 +103,13 @@ def test_bad_calls_are_refused():
     q, scale = Int8Weight.quantize_rows(torch.randn(20, 16))
     c = BatchedInt8.from_rows(q, scale, kernels()[0])
     with pytest.raises(RuntimeError, match="the weight was packed for 16"):
-        op(torch.zeros(1, 20), c.packed, c.scale, c.colsum, None, 20, "dot")
+        op(torch.zeros(1, 20), c.packed, c.scale, None, 20, "dot")
     with pytest.raises(RuntimeError, match="n does not match"):
-        op(torch.zeros(1, 16), c.packed, c.scale, c.colsum, None, 200, "dot")
+        op(torch.zeros(1, 16), c.packed, c.scale, None, 200, "dot")
     with pytest.raises(RuntimeError, match="kernel 'amx' is not in this build"):
-        op(torch.zeros(1, 16), c.packed, c.scale, c.colsum, None, 20, "amx")
+        op(torch.zeros(1, 16), c.packed, c.scale, None, 20, "amx")
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        op(torch.zeros(1, 16).half(), c.packed, c.scale, c.colsum, None, 20, "dot")
+        op(torch.zeros(1, 16).half(), c.packed, c.scale, None, 20, "dot")
     with pytest.raises(ValueError, match="'amx' is not in this build"):
         BatchedInt8.from_rows(q, scale, "amx")
 

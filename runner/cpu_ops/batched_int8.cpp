@@ -19,10 +19,8 @@
 //   batched_int8_pack(q [N, K] int8) -> [ceil(N/BN), ceil(K/4), BN, 4] int8, zero padded;
 //     BN = batched_int8_block() channels (64 on AVX-512 builds, 16 on AVX2): one block is
 //     one contiguous stream, read by one thread.
-//   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], colsum [N] int32, bias?, N,
-//     kernel) -> [M, N] x.dtype; colsum[n] = sum_k q[n, k], checked but unused since "dot"
-//     corrects per activation group. NOTE: dead; dropping it touches ops.h, the fused plan's
-//     slots (fused_decode.py/.cpp) and BatchedInt8, which still sums it at load.
+//   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], bias?, N, kernel)
+//     -> [M, N] x.dtype.
 //   batched_int8_kernels() -> this build's kernels as "name:isa".
 
 #include <ATen/ATen.h>
@@ -449,9 +447,8 @@ void dispatch_dtype(const at::Tensor& x, int64_t k4n, const at::Tensor& packed,
 }
 
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const at::Tensor& scale, const at::Tensor& colsum,
-                               const c10::optional<at::Tensor>& bias, int64_t n_dim,
-                               const std::string& kernel) {
+                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                               int64_t n_dim, const std::string& kernel) {
   TORCH_CHECK(x.dim() == 2, "batched_int8_linear: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "batched_int8_linear: fp32 or bf16 inputs only, got ", x.scalar_type());
@@ -465,8 +462,6 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
               "batched_int8_linear: n does not match the packed blocks");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_dim,
               "batched_int8_linear: scale must be fp32, one per output channel");
-  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.numel() == n_dim,
-              "batched_int8_linear: colsum must be int32, one per output channel");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n_dim, "batched_int8_linear: one bias per output channel");
@@ -497,10 +492,9 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 // For C++ callers (ops.h): the op above, outside this file's anonymous namespace.
 namespace headrace::ops {
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const at::Tensor& scale, const at::Tensor& colsum,
-                               const c10::optional<at::Tensor>& bias, int64_t n_dim,
-                               const std::string& kernel) {
-  return ::batched_int8_linear(x, packed, scale, colsum, bias, n_dim, kernel);
+                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                               int64_t n_dim, const std::string& kernel) {
+  return ::batched_int8_linear(x, packed, scale, bias, n_dim, kernel);
 }
 }  // namespace headrace::ops
 
@@ -509,8 +503,8 @@ TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def("batched_int8_block() -> int", &batched_int8_block);
   m.def("batched_int8_kernels() -> str[]", &batched_int8_kernels);
   m.def(
-      "batched_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor colsum, Tensor? bias, "
-      "int n, str kernel) -> Tensor");
+      "batched_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n, "
+      "str kernel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {

@@ -14,11 +14,11 @@
 //       -> (mlp_out [B, hidden], residual [B, hidden])
 //
 // The caller adds mlp_out to residual under the final norm (as after the last layer).
-// Per layer: input norm weight, post-attention norm weight, then four slots for each of
+// Per layer: input norm weight, post-attention norm weight, then three slots for each of
 // QKV, o_proj, gate/up, down, read by that linear's kind (empty tensor: no bias):
 //   kRows     int8 rows, scales, bias          (int8_weight_linear)
 //   kAmx      AMX int8 tiles, scales, bias     (amx_int8_linear)
-//   kDot/kWiden  packed int8, scales, column sums, bias   (batched_int8_linear)
+//   kDot/kWiden  packed int8, scales, bias     (batched_int8_linear)
 //   kOnednn   oneDNN bf16 weight, bf16 bias    (mkldnn _linear_pointwise, inputs cast to bf16)
 //   kDense    weight, bias                     (at::linear)
 
@@ -37,7 +37,7 @@ namespace {
 
 using namespace headrace::ops;
 
-constexpr int64_t kLinears = 4, kSlots = 4, kPerLayer = 2 + kLinears * kSlots;
+constexpr int64_t kLinears = 4, kSlots = 3, kPerLayer = 2 + kLinears * kSlots;
 enum Kind : int64_t { kRows = 0, kAmx = 1, kDot = 2, kWiden = 3, kOnednn = 4, kDense = 5 };
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
@@ -65,7 +65,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind) {
       return amx_int8_linear(x, w[0], w[1], optional_of(w[2]), w[1].numel());
     case kDot:
     case kWiden:
-      return batched_int8_linear(x, w[0], w[1], w[2], optional_of(w[3]), w[1].numel(),
+      return batched_int8_linear(x, w[0], w[1], optional_of(w[2]), w[1].numel(),
                                  kind == kDot ? "dot" : "widen");
     case kOnednn:
       return onednn_linear(x, w[0], w[1]);

@@ -19,9 +19,8 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
 
 // batched_int8.cpp
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const at::Tensor& scale, const at::Tensor& colsum,
-                               const c10::optional<at::Tensor>& bias, int64_t n_dim,
-                               const std::string& kernel);
+                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                               int64_t n_dim, const std::string& kernel);
 
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -41,12 +41,10 @@ def batched_kernels() -> dict[str, str]:
 @dataclass(slots=True)
 class BatchedInt8:
     """An [N, K] weight as int8 (per-output-channel fp32 scales) packed for the batched
-    kernel, with each channel's int8 sum (the op's `colsum`, no longer read: see
-    batched_int8.cpp)."""
+    kernel."""
 
     packed: torch.Tensor  # [ceil(N/BN), ceil(K/4), BN, 4] int8
     scale: torch.Tensor  # [N] fp32
-    colsum: torch.Tensor  # [N] int32
     out_features: int
     kernel: str
 
@@ -60,11 +58,10 @@ class BatchedInt8:
                 f"(it has: {', '.join(available) or 'none'})"
             )
         packed = torch.ops.headrace.batched_int8_pack(q)
-        colsum = q.sum(dim=1, dtype=torch.int32)
-        return cls(packed, scale.float().contiguous(), colsum, q.shape[0], kernel)
+        return cls(packed, scale.float().contiguous(), q.shape[0], kernel)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
         return torch.ops.headrace.batched_int8_linear(
-            x, self.packed, self.scale, self.colsum, bias, self.out_features, self.kernel
+            x, self.packed, self.scale, bias, self.out_features, self.kernel
         )

@@ -37,9 +37,9 @@ _EMPTY = torch.empty(0)
 
 
 def _slots(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
-    """A linear's four weight slots (None: an empty tensor, "no bias")."""
+    """A linear's three weight slots (None: an empty tensor, "no bias")."""
     out = [_EMPTY if t is None else t.detach() for t in tensors]
-    return out + [_EMPTY] * (4 - len(out))
+    return out + [_EMPTY] * (3 - len(out))
 
 
 def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | None:
@@ -55,7 +55,7 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
     if kernel == "batched":
         b = m._batched
         assert b is not None
-        return DOT if b.kernel == "dot" else WIDEN, _slots(b.packed, b.scale, b.colsum, m.bias)
+        return DOT if b.kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
     if kernel == "onednn":
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
     if kernel == "float":
