@@ -11,7 +11,7 @@ torch.ops.headrace.paged_prefill_attention_vec_(...)   (the same without AMX: ve
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
 torch.ops.headrace.lora_delta_(y, x, a, bt, rows, starts, slots, width)   (lora.cpp)
 torch.ops.headrace.batched_int8_pack(q) / batched_int8_linear(x, packed, scale, bias, n,
-    kernel) / batched_int8_kernels()   (8-64 rows without AMX: "dot" or "widen")
+    kernel) / batched_int8_kernels()   (8-256 rows without AMX: "dot" or "widen")
 torch.ops.headrace.decode_layers(x, weights, kv_caches, cos, sin, slots, tables, lens, ...)
     (every decoder layer of a few-row decode step in one call: fused_decode.cpp)
 ```
