@@ -78,6 +78,10 @@ class KVCacheManager:
         # How many of a request's leading blocks are already registered in the cache map.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        # When a list: every block registered in the cache map is appended, so that a step
+        # given back before its KV was written can take its blocks out again (the scheduler
+        # keeps one per step: scheduling/step_undo.py).
+        self.registered: list[KVCacheBlock] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -164,8 +168,23 @@ class KVCacheManager:
             return
         self._update_hashes(req)
         blocks = self.req_to_blocks[req.request_id]
+        fresh = [b for b in blocks[start:num_full] if b.block_hash is None]
         self.pool.cache_blocks(blocks, req.block_hashes[:num_full], start)
         self._num_cached_blocks[req.request_id] = num_full
+        if self.registered is not None:
+            # Another block may have held the hash already: only those now mapped count.
+            self.registered.extend(b for b in fresh if b.block_hash is not None)
+
+    def uncache_registered(self, blocks: Sequence[KVCacheBlock], computed: dict[str, int]) -> None:
+        """Take `blocks` (registered by a step that never ran to the end) out of the cache
+        map, and step each request in `computed` (request id -> tokens it has computed
+        now) back to the blocks those tokens fill, so they are registered again once
+        their KV is really written."""
+        self.pool.uncache(blocks)
+        for rid, num_tokens in computed.items():
+            if rid in self._num_cached_blocks:
+                full = num_tokens // self.block_size
+                self._num_cached_blocks[rid] = min(self._num_cached_blocks[rid], full)
 
     def free(self, req: KVRequest, trusted: bool = True) -> None:
         """Give back every block of `req` (safe to call when it holds none).

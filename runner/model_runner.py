@@ -27,6 +27,7 @@ from runner.rejection_sampler import LogprobEntry, verify_drafts
 from runner.sampler import SamplingBatch
 from runner.spec_decode import DraftRequest, Proposer
 from runner.spec_decode.draft_length import AdaptiveDraftLength
+from runner.step_interrupt import StepInterrupt, StepInterrupted
 from scheduling import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -111,6 +112,13 @@ class ModelRunner:
             self.graphs.capture()
         # CUDA: greedy steps leave their ids on the GPU (runner/device_queue.py).
         self.device_tokens = DeviceTokens() if device.type == "cuda" and tp_driver is None else None
+        # A CPU step may be stopped between layers (step_interrupt.py); not under tensor
+        # parallelism (the workers would be left mid-collective) nor speculative decoding
+        # (the drafter's state moves with each step), nor where the model has no such check.
+        self.interrupt: StepInterrupt | None = None
+        cpu_alone = device.type == "cpu" and tp_driver is None and proposer is None
+        if cpu_alone and hasattr(model, "interrupt"):
+            self.interrupt = model.interrupt = StepInterrupt()
         self.requests: dict[str, RunnerRequest] = {}
         # Seeded generators outlive preemption, so a resumed request continues its sequence.
         self.generators: dict[str, torch.Generator] = {}
@@ -212,6 +220,8 @@ class ModelRunner:
                 ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
                 return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
             logits = logits.cpu()
+        except StepInterrupted:
+            raise  # nothing was sampled; the scheduler takes the whole step back
         except Exception:
             self._after_forward_fault(samplers)
             raise

@@ -72,6 +72,14 @@ class Policy(Protocol):
     before `rank`, with the requests about to be ranked (running, then admissible
     waiting); a policy computes there what holds for the whole step, so that `rank` and
     `step_token_cap` (scheduling/step_cap.py) stay cheap reads.
+
+    Optional method `interrupts(req, step)` (read with getattr): `req` has just arrived
+    while a step holding the running requests `step` runs; True asks the engine to stop
+    that step between layers and take it back (scheduling/step_undo.py), so that `req`
+    need not wait for its end. Only the CPU engine loop without the batch queue can; the
+    work already done in the step is lost, so a policy says True only for arrivals that
+    outrank the step's work (the priority policy: steps of less urgent work, where its
+    own class only decodes).
     """
 
     name: ClassVar[str]

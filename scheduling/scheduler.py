@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcache import KVCacheManager
+from kvcache.block import KVCacheBlock
 from kvcache.connectors import KVConnectorScheduler
 from scheduling.config import SchedulerConfig
 from scheduling.kv_loads import KVLoads
@@ -24,6 +25,7 @@ from scheduling.request import Request, RequestStatus
 from scheduling.spec_stats import SpecDecodeStats
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cap import StepCap
+from scheduling.step_undo import can_undo, undo_step
 
 
 class QueueFullError(RuntimeError):
@@ -62,6 +64,10 @@ class Scheduler:
         self._pending_outputs: list[RequestOutput] = []
         # Prompt KV from a KV connector (disk tier, a P/D producer); inert without one.
         self.kv_loads = KVLoads(kv_connector, kv)
+        # The last step scheduled and the blocks its schedule registered in the prefix
+        # cache: what `undo` needs to take it back.
+        self._last_step: tuple[SchedulerOutput, list[KVCacheBlock]] | None = None
+        self.num_undone_steps = 0
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -99,6 +105,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Never blocks, never calls the runner."""
         now = self.clock()
+        registered: list[KVCacheBlock] = []
+        self.kv.registered = registered if self.kv.enable_prefix_caching else None
         step = StepBuilder(self.config.max_num_batched_tokens)
         waiting = self._admissible_waiting(now)
         candidates = [*self.running, *waiting]
@@ -144,7 +152,34 @@ class Scheduler:
         out = step.build(self._finished_ids, self._preempted_ids)
         out.kv_connector_meta = self.kv_loads.build_meta(step.scheduled)
         self._finished_ids, self._preempted_ids = set(), set()
+        self._last_step = (out, registered)
         return out
+
+    def interrupts(self, so: SchedulerOutput, request_id: str) -> bool:
+        """Whether the step `so`, still running, should stop for `request_id`, which has
+        just arrived: the policy asks for it (its optional `interrupts`) and `so` is the
+        last step scheduled and can be taken back whole (scheduling/step_undo.py)."""
+        decide = getattr(self.policy, "interrupts", None)
+        req = self.requests.get(request_id)
+        if decide is None or req is None or req.status != RequestStatus.WAITING:
+            return False
+        step = [self.requests[r] for r in so.num_scheduled_tokens if r in self.requests]
+        return bool(step) and decide(req, step) and self.can_undo(so)
+
+    def can_undo(self, so: SchedulerOutput) -> bool:
+        """Whether `so` is the last step scheduled and `undo` can take it back whole."""
+        last = self._last_step
+        return last is not None and last[0] is so and can_undo(so, self.kv, last[1])
+
+    def undo(self, so: SchedulerOutput) -> None:
+        """Take back the last step scheduled, which stopped before it ended: its requests'
+        progress and placeholders, and the prefix-cache entries its schedule made."""
+        last = self._last_step
+        if last is None or last[0] is not so:
+            raise RuntimeError("undo: only the last step scheduled can be taken back")
+        undo_step(so, self.requests, self.kv, last[1])
+        self._last_step = None
+        self.num_undone_steps += 1
 
     def _schedule_running(
         self, req: Request, running: list[Request], ri: int, step: StepBuilder, room: int

@@ -26,6 +26,7 @@ from daemon.engine.engine import Engine
 from daemon.engine.lora import load_at_run_time
 from daemon.engine.outputs import Delta
 from runner.device_queue import PendingOutput
+from runner.step_interrupt import StepInterrupted
 from scheduling import RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("headrace.engine")
@@ -78,6 +79,9 @@ class AsyncEngine:
         # was lost: see _die); then told to `on_failure`.
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
+        # Depth 1: the step now on the runner thread, which an urgent arrival may stop
+        # (Engine.interrupt_for); None between steps and with the batch queue.
+        self._running: SchedulerOutput | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -130,6 +134,8 @@ class AsyncEngine:
         rid = self.engine.add_request(prompt, params, **options)
         stream = QueuedDeltaStream(rid, self.abort)
         self._streams[rid] = stream
+        if self._running is not None and self.engine.interrupt_for(self._running, rid):
+            log.debug("request %s: stopping the step in flight for it", rid)
         self._wake.set()
         return stream
 
@@ -202,6 +208,9 @@ class AsyncEngine:
             if len(in_flight) < self.depth and self.engine.has_unfinished_requests():
                 so = self.engine.schedule()
                 if not so.is_empty:
+                    if self.depth == 1:
+                        self.engine.arm_interrupt()
+                        self._running = so
                     in_flight.append(
                         (so, loop.run_in_executor(self._executor, self._launcher(), so))
                     )
@@ -225,9 +234,17 @@ class AsyncEngine:
                         # CUDA: the ids are still copying to pinned memory; wait on that
                         # step's event off the loop, while the runner launches the next.
                         ro = await loop.run_in_executor(self._waiter, ro.result)
+                except StepInterrupted:
+                    # An urgent arrival stopped it between layers: it is taken back and
+                    # its requests run again from where they were, after the urgent one.
+                    self._running = None
+                    self.engine.undo_step(so)
+                    continue
                 except Exception as e:
+                    self._running = None
                     self._dispatch(self.engine.fail_step(so, e))
                 else:
+                    self._running = None
                     self._dispatch(self.engine.process(so, ro))
                 self.num_steps += 1
                 continue

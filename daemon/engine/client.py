@@ -123,6 +123,8 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    # Steps stopped between layers for an urgent arrival and taken back.
+    interrupted_steps: int = 0
     constrained_requests: int = 0
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0

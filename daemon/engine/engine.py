@@ -292,6 +292,31 @@ class Engine:
             ro.duration_s = time.perf_counter() - start
         return ro
 
+    def interrupt_for(self, so: SchedulerOutput, request_id: str) -> bool:
+        """Ask the running step `so` to stop between layers for `request_id`, which has
+        just arrived, when the policy wants it and the step can be taken back (CPU runner,
+        no KV connector). True if asked; the step then raises StepInterrupted and the loop
+        calls `undo_step`."""
+        stop = getattr(self.runner, "interrupt", None)
+        if stop is None or self.kv_connector is not None:
+            return False
+        if not self.scheduler.interrupts(so, request_id):
+            return False
+        stop.request()
+        return True
+
+    def arm_interrupt(self) -> None:
+        """Called before each step starts: a stop asked for an earlier step (which ended
+        first) must not reach this one."""
+        stop = getattr(self.runner, "interrupt", None)
+        if stop is not None:
+            stop.clear()
+
+    def undo_step(self, so: SchedulerOutput) -> None:
+        """`so` stopped before it ended (StepInterrupted): take it back; its requests run
+        again from where they were."""
+        self.scheduler.undo(so)
+
     def _set_threads(self, threads: int) -> None:
         """The governor's thread count, set on this (the runner's) thread when it changes."""
         if threads != torch.get_num_threads():

@@ -26,6 +26,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         prefix_query_tokens=kv.prefix_stats.queries,
         prefix_hit_tokens=kv.prefix_stats.hits,
         preemptions=sched.num_preemptions,
+        interrupted_steps=sched.num_undone_steps,
         constrained_requests=grammars.num_requests,
         grammar_cache_hits=compiles.hits if compiles else 0,
         grammar_cache_misses=compiles.misses if compiles else 0,

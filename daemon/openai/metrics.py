@@ -48,6 +48,11 @@ class Metrics:
             "headrace_prefix_cache_queries_tokens", "Prompt tokens looked up", registry=r
         )
         self.preemptions = Counter("headrace_preemptions", "Preemptions since start", registry=r)
+        self.interrupted_steps = Counter(
+            "headrace_interrupted_steps",
+            "Steps stopped between layers for an urgent arrival and taken back, since start",
+            registry=r,
+        )
         self.ttft = Histogram(
             "headrace_time_to_first_token_seconds",
             "Time to first token",
@@ -113,6 +118,7 @@ class Metrics:
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
         advance(self.prefix_queries, stats.prefix_query_tokens)
         advance(self.preemptions, stats.preemptions)
+        advance(self.interrupted_steps, stats.interrupted_steps)
         advance(self.constrained, stats.constrained_requests)
         advance(self.grammar_hits, stats.grammar_cache_hits)
         advance(self.grammar_misses, stats.grammar_cache_misses)

@@ -405,6 +405,7 @@ class ReplicaSet:
             out.prefix_query_tokens += queries
             out.prefix_hit_tokens += hits
             out.preemptions += s.preemptions
+            out.interrupted_steps += s.interrupted_steps
             out.constrained_requests += s.constrained_requests
             out.grammar_cache_hits += s.grammar_cache_hits
             out.grammar_cache_misses += s.grammar_cache_misses

@@ -10,10 +10,13 @@
 //
 //   decode_layers(x [B, hidden], weights (kPerLayer per layer, below), kinds (4 per layer),
 //                 kv_caches [L], cos [B, D], sin [B, D], slots [B], block_tables [B, M],
-//                 seq_lens [B], heads, kv_heads, head_dim, eps, scale)
+//                 seq_lens [B], heads, kv_heads, head_dim, eps, scale, stop)
 //       -> (mlp_out [B, hidden], residual [B, hidden])
 //
 // The caller adds mlp_out to residual under the final norm (as after the last layer).
+// `stop` (optional, one uint8 another thread may set: runner/step_interrupt.py) is read
+// before each layer; once it is set the op returns two [0, hidden] tensors instead,
+// leaving the step's KV half written (the scheduler takes the step back).
 // Per layer: input norm weight, post-attention norm weight, then three slots for each of
 // QKV, o_proj, gate/up, down, read by that linear's kind (empty tensor: no bias):
 //   kRows     int8 rows, scales, bias          (int8_weight_linear)
@@ -80,7 +83,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds,
     at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale) {
+    int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+    const std::optional<at::Tensor>& stop) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
                   static_cast<int64_t>(kinds.size()) == layers * kLinears,
@@ -89,8 +93,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decode_layers: x [B, hidden]");
   const int64_t rows = x_in.size(0);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const uint8_t* stop_flag = nullptr;
+  if (stop.has_value() && stop->defined()) {
+    TORCH_CHECK(stop->scalar_type() == at::kByte && stop->numel() == 1 && stop->is_contiguous(),
+                "decode_layers: stop is one uint8");
+    stop_flag = stop->data_ptr<uint8_t>();
+  }
   at::Tensor x = x_in, residual;
   for (int64_t l = 0; l < layers; ++l) {
+    // Set from another thread while this one runs: an atomic read, so it is seen.
+    if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
+      return {x_in.new_empty({0, x_in.size(1)}), x_in.new_empty({0, x_in.size(1)})};
+    }
     const at::Tensor* w = weights.data() + l * kPerLayer;
     const int64_t* kind = kinds.data() + l * kLinears;
     const at::Tensor* lin = w + 2;  // kSlots tensors per linear from here
@@ -126,7 +140,7 @@ TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, int[] kinds, Tensor[] kv_caches, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, int heads, "
-      "int kv_heads, int head_dim, float eps, float scale) -> (Tensor, Tensor)");
+      "int kv_heads, int head_dim, float eps, float scale, Tensor? stop=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) { m.impl("decode_layers", &decode_layers); }

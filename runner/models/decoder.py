@@ -23,6 +23,7 @@ from runner.models.rope import RopeAt, RotaryEmbedding
 from runner.parallel.group import TensorParallel
 from runner.parallel.layers import VocabParallelEmbedding
 from runner.parallel.sharding import local_config
+from runner.step_interrupt import StepInterrupt
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +197,8 @@ class DecoderForCausalLM(nn.Module):
         # Decode-only steps as one C++ call, where every layer qualifies (set with the
         # attention backend: runner/models/fused_decode.py).
         self.fused_decode: FusedDecode | None = None
+        # Set by the runner where a step may be stopped between layers (step_interrupt.py).
+        self.interrupt: StepInterrupt | None = None
 
     def forward(
         self,
@@ -207,11 +210,14 @@ class DecoderForCausalLM(nn.Module):
         """[T] token ids at [T] positions -> [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.at(positions)
+        stop = self.interrupt
         if self.fused_decode is not None and self.fused_decode.takes(meta):
-            x, residual = self.fused_decode(x, rope, kv_caches, meta)
+            x, residual = self.fused_decode(x, rope, kv_caches, meta, stop)
             return self.norm.add_forward(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
+            if stop is not None:
+                stop.check()
             x, residual = layer(x, residual, rope, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(x)

@@ -30,6 +30,7 @@ from torch import nn
 from runner.attention import AttentionMetadata
 from runner.layers.linear import Linear
 from runner.models.rope import RopeAt
+from runner.step_interrupt import StepInterrupt, StepInterrupted
 
 # decode_layers' linear kinds (fused_decode.cpp's Kind).
 ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE = range(6)
@@ -124,13 +125,19 @@ class FusedDecode:
         return self.plan(meta.num_tokens) is not None
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeAt, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: RopeAt,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        stop: StepInterrupt | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, hidden] embeddings -> (last layer's MLP output, residual stream)."""
+        """[B, hidden] embeddings -> (last layer's MLP output, residual stream). Raises
+        StepInterrupted when `stop` is set before a layer."""
         plan = self.plan(meta.num_tokens)
         assert plan is not None, "takes() said no"
         group = meta.groups[0]
-        return torch.ops.headrace.decode_layers(
+        out, residual = torch.ops.headrace.decode_layers(
             x.contiguous(),
             plan[0],
             plan[1],
@@ -145,4 +152,8 @@ class FusedDecode:
             self.head_dim,
             self.eps,
             self.scale,
+            stop.flag if stop is not None else None,
         )
+        if out.shape[0] != x.shape[0]:  # the op saw `stop` set and gave up the step
+            raise StepInterrupted
+        return out, residual

@@ -19,7 +19,10 @@ class PriorityPolicy(BasePolicy):
     admits it carries nothing of lower priority (`urgent_prefill_alone`).
 
     What is left of an urgent request's wait is the step already in flight when it
-    arrives, on average half of it. So while requests of the most urgent class seen in the
+    arrives, on average half of it. On a CPU engine without the batch queue that step is
+    stopped between layers and taken back (`interrupts`; scheduling/step_undo.py), so the
+    wait is one layer. Elsewhere, and for steps that cannot be taken back, the cap holds:
+    while requests of the most urgent class seen in the
     last `window_s` share the engine with less urgent ones, each step's work for the less
     urgent ones is capped (`step_token_cap`) so that a step costs at most `urgent_wait` x
     the time of a typical urgent prefill, but never below twice the step's fixed cost;
@@ -88,6 +91,19 @@ class PriorityPolicy(BasePolicy):
     def observe(self, stats: StepStats) -> None:
         self.cost.observe(stats.shape, stats.duration_s)
         self.times.observe(stats, self._urgent)
+
+    def interrupts(self, req: Request, step: Sequence[Request]) -> bool:
+        """Stop the running step for `req` when it holds less urgent work and nothing more
+        urgent than `req` nor any prompt of its own class (which ranks ahead of it and
+        would only be computed again). Decodes of its class may ride: they lose what the
+        step had done of them, about half a capped step, once; on a CPU engine `req` then
+        starts at once instead of after the rest of the step."""
+        lower = False
+        for r in step:
+            if r.priority < req.priority or (r.priority == req.priority and not r.output_token_ids):
+                return False
+            lower |= r.priority > req.priority
+        return lower
 
     def urgent_class(self, now: float) -> int | None:
         """The most urgent priority seen lately, when a less urgent one was seen too."""
