@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,24 +156,32 @@ def run_urgent(
     flags = f"--policy priority --no-enable-prefix-caching {a.serve_args}{wait}"
     peer = LaunchedPeer("headrace", flags, out_dir)
     n = max(8, round(a.requests * a.urgent_share))
+    # Each run's span on the machine's monotonic clock (the daemon logs its steps on it).
+    phases: dict[str, tuple[float, float]] = {}
     try:
         peer.wait_ready(600)
+        start = time.monotonic()
         idle = run(peer, tok, [*shape, "--num-prompts", str(n), "--seed", "5"], math.inf, 1)
+        phases["idle"] = (start, start := time.monotonic())
         mix = ["--class", f"urgent:{a.urgent_share}:0", "--class", f"batch:{1 - a.urgent_share}:1"]
         argv = [*shape, *mix, "--num-prompts", str(round(n / a.urgent_share)), "--seed", "5"]
         # Urgent requests also queue behind each other (one that arrives during another's
         # prefill waits for it), which the one-at-a-time run never shows: the urgent stream
         # alone, at the times it arrives in the mix, is the baseline that differs only by load.
         alone = run(peer, tok, argv, rate, None, only_class="urgent")["classes"]["urgent"]
+        phases["alone"] = (start, start := time.monotonic())
         result = run(peer, tok, argv, rate, None)
+        phases["loaded"] = (start, time.monotonic())
         loaded = result["classes"]["urgent"]
     finally:
         peer.stop()
     if a.urgent_profile:
-        from daemon.bench.first_token import describe_log
+        from daemon.bench.first_token import describe_log, describe_phases
 
-        # One line per urgent request: the steps from its arrival to its first token.
+        # One line per urgent request: the steps from its arrival to its first token; then
+        # the engine's side of each run on its own.
         print(describe_log(profile, priority=0))
+        print(describe_phases(profile, phases, priority=0))
 
     def ratio(key: str, base: dict) -> float:
         return loaded[key] / (base[key] or math.nan)

@@ -6,7 +6,12 @@ import orjson
 import pytest
 
 from conftest import make_request, make_scheduler, sample_all
-from daemon.bench.first_token import describe_log, first_token_paths, summarize_paths
+from daemon.bench.first_token import (
+    describe_log,
+    describe_phases,
+    first_token_paths,
+    summarize_paths,
+)
 from daemon.engine.step_profile import first_tokens
 
 
@@ -50,6 +55,21 @@ def test_describe_log_reads_a_profile_and_refuses_an_old_one(tmp_path) -> None:
     log.write_bytes(orjson.dumps(old) + b"\n")
     with pytest.raises(ValueError, match="no first_tokens"):
         describe_log(log)
+
+
+def test_describe_phases_sums_up_the_requests_that_arrived_in_each(tmp_path) -> None:
+    log = tmp_path / "steps.jsonl"
+    steps = [
+        line(0.00, 0.05, 128, 0, [["a", 0, 0.0]]),
+        line(1.00, 1.08, 128, 0, [["b", 0, 1.0]]),
+        line(1.08, 1.20, 128, 0, [["c", 0, 1.01]]),
+    ]
+    log.write_bytes(b"".join(orjson.dumps(s) + b"\n" for s in steps))
+    text = describe_phases(log, {"idle": (0.0, 0.5), "loaded": (0.5, 2.0), "none": (3, 4)}, 0)
+    idle, loaded, none = text.splitlines()
+    assert idle.startswith("PHASE idle requests=1 p50_engine_ttft_ms=50.00")
+    assert loaded.startswith("PHASE loaded requests=2")
+    assert none == "PHASE none requests=0"
 
 
 def test_first_tokens_names_each_request_once_at_its_first_sample() -> None:

@@ -41,6 +41,7 @@ def first_token_paths(
                 {
                     "id": rid,
                     "priority": prio,
+                    "arrival": arrival,
                     "engine_ttft_ms": (own["done_at"] - arrival) * 1e3,
                     "wait_ms": max(0.0, own["scheduled_at"] - arrival) * 1e3,
                     "own_ms": (own["done_at"] - own["scheduled_at"]) * 1e3,
@@ -103,6 +104,19 @@ def describe_log(path: str | Path, priority: int | None = None) -> str:
         )
     s = summarize_paths(paths)
     lines.append("SUMMARY " + " ".join(f"{k}={_fmt(v)}" for k, v in s.items()))
+    return "\n".join(lines)
+
+
+def describe_phases(
+    path: str | Path, phases: dict[str, tuple[float, float]], priority: int | None = None
+) -> str:
+    """The summary of the requests that arrived in each phase (name -> (start, end) on
+    the daemon's monotonic clock, which is the machine's), a line each."""
+    paths = first_token_paths(load_steps(path), priority)
+    lines = []
+    for name, (start, end) in phases.items():
+        s = summarize_paths([p for p in paths if start <= p["arrival"] < end])
+        lines.append(f"PHASE {name} " + " ".join(f"{k}={_fmt(v)}" for k, v in s.items()))
     return "\n".join(lines)
 
 
