@@ -18,7 +18,8 @@ Steps, all in this one run on this machine:
    tok/s while all four are backlogged, TTFT p50/p99, and Jain's index over those rates;
 5. urgent: on a priority daemon, priority-0 requests one at a time (idle TTFT), the urgent
    requests of the mix below alone at their own send times (they still queue behind each
-   other), then the mix: --urgent-share of a Poisson stream at --urgent-load x saturation;
+   other), the mix (--urgent-share of a Poisson stream at --urgent-load x saturation),
+   then one at a time again (the machine's speed drifts);
    with --urgent-profile, each urgent request's steps from arrival to first token (how many,
    what each carried, its cap, its time: daemon/bench/first_token.py).
 Prints the tables, and a RESULT line with the ratios slo/fcfs and priority/fcfs goodput, the
@@ -161,7 +162,8 @@ def run_urgent(
     try:
         peer.wait_ready(600)
         start = time.monotonic()
-        idle = run(peer, tok, [*shape, "--num-prompts", str(n), "--seed", "5"], math.inf, 1)
+        one_by_one = [*shape, "--num-prompts", str(n), "--seed", "5"]
+        idle = run(peer, tok, one_by_one, math.inf, 1)
         phases["idle"] = (start, start := time.monotonic())
         mix = ["--class", f"urgent:{a.urgent_share}:0", "--class", f"batch:{1 - a.urgent_share}:1"]
         argv = [*shape, *mix, "--num-prompts", str(round(n / a.urgent_share)), "--seed", "5"]
@@ -171,8 +173,12 @@ def run_urgent(
         alone = run(peer, tok, argv, rate, None, only_class="urgent")["classes"]["urgent"]
         phases["alone"] = (start, start := time.monotonic())
         result = run(peer, tok, argv, rate, None)
-        phases["loaded"] = (start, time.monotonic())
+        phases["loaded"] = (start, start := time.monotonic())
         loaded = result["classes"]["urgent"]
+        # Idle again: this machine's speed drifts within a run, so the idle baseline is
+        # taken on both sides of the load.
+        idle_after = run(peer, tok, one_by_one, math.inf, 1)
+        phases["idle after"] = (start, time.monotonic())
     finally:
         peer.stop()
     if a.urgent_profile:
@@ -188,7 +194,9 @@ def run_urgent(
 
     print(
         f"urgent TTFT p50/p99: idle (one at a time) {idle['median_ttft_ms']:.0f}/"
-        f"{idle['p99_ttft_ms']:.0f} ms; the urgent stream alone {alone['median_ttft_ms']:.0f}/"
+        f"{idle['p99_ttft_ms']:.0f} ms, again after the load "
+        f"{idle_after['median_ttft_ms']:.0f}/{idle_after['p99_ttft_ms']:.0f} ms; "
+        f"the urgent stream alone {alone['median_ttft_ms']:.0f}/"
         f"{alone['p99_ttft_ms']:.0f} ms; under priority-1 load at {rate:.2f} req/s "
         f"{loaded['median_ttft_ms']:.0f}/{loaded['p99_ttft_ms']:.0f} ms "
         f"(n={loaded['completed']}); all classes {result['output_throughput']:.1f} output tok/s"
@@ -196,6 +204,9 @@ def run_urgent(
     return [
         f"priority_urgent_ttft_p50_loaded_over_idle={ratio('median_ttft_ms', idle):.2f}",
         f"priority_urgent_ttft_p99_loaded_over_idle={ratio('p99_ttft_ms', idle):.2f}",
+        "priority_urgent_ttft_p50_loaded_over_idle_after="
+        f"{ratio('median_ttft_ms', idle_after):.2f}",
+        f"priority_urgent_ttft_p99_loaded_over_idle_after={ratio('p99_ttft_ms', idle_after):.2f}",
         f"priority_urgent_ttft_p50_loaded_over_alone={ratio('median_ttft_ms', alone):.2f}",
         f"priority_urgent_ttft_p99_loaded_over_alone={ratio('p99_ttft_ms', alone):.2f}",
         f"urgent_offered_req_s={rate:.3f}",

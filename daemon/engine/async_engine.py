@@ -59,6 +59,8 @@ class AsyncEngine:
             overlap = False
         self.overlap = overlap
         self.depth = 2 if overlap else 1
+        if self.depth == 1:  # one step at a time: the one running may stop for an urgent one
+            engine.enable_step_stops()
         # The runner thread; pass the one that built the engine (see daemon/service/server.py).
         self._executor = executor or runner_executor()
         # Waits for CUDA steps' sampled ids (runner/device_queue.py); idle on CPU.

@@ -61,6 +61,8 @@ class Engine:
     ):
         self.config = config = config or EngineConfig()
         self.governor = thread_governor(config)
+        # Whether a running step may be stopped for an urgent arrival (enable_step_stops).
+        self.stops_steps = False
         loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.tokenizer, self.model, self.model_config = (
@@ -298,12 +300,25 @@ class Engine:
         no KV connector). True if asked; the step then raises StepInterrupted and the loop
         calls `undo_step`."""
         stop = getattr(self.runner, "interrupt", None)
-        if stop is None or self.kv_connector is not None:
+        if stop is None or not self.stops_steps:
             return False
         if not self.scheduler.interrupts(so, request_id):
             return False
         stop.request()
         return True
+
+    def enable_step_stops(self) -> bool:
+        """The loop runs one step at a time, so a running step may be stopped for an
+        urgent arrival (`interrupt_for`) where the runner can (a CPU runner without tensor
+        parallelism or speculation) and no KV connector moves the step's KV. Tells the
+        policy (its optional `use_step_stops`); returns whether steps will stop."""
+        self.stops_steps = (
+            getattr(self.runner, "interrupt", None) is not None and self.kv_connector is None
+        )
+        tell = getattr(self.scheduler.policy, "use_step_stops", None)
+        if tell is not None:
+            tell(self.stops_steps)
+        return self.stops_steps
 
     def arm_interrupt(self) -> None:
         """Called before each step starts: a stop asked for an earlier step (which ended
