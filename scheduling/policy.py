@@ -79,9 +79,7 @@ class Policy(Protocol):
     need not wait for its end. Only the CPU engine loop without the batch queue can; the
     work already done in the step is lost, so a policy says True only for arrivals that
     outrank the step's work (the priority policy: steps of less urgent work, where its
-    own class only decodes). Such a policy may define `use_step_stops(enabled)`: the
-    engine calls it once, saying whether it will stop steps (a policy that shortens steps
-    to bound that wait need not when it will).
+    own class only decodes).
     """
 
     name: ClassVar[str]

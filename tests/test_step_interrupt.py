@@ -195,15 +195,14 @@ async def test_an_urgent_arrival_stops_the_background_step_in_flight(tiny_llama)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_priority_cap_is_off_where_steps_stop(tiny_llama, overlap):
+def test_steps_stop_only_on_the_one_step_at_a_time_loop(tiny_llama, overlap):
     eng = engine(tiny_llama, "torch", policy="priority")
     AsyncEngine(eng, overlap=overlap)
     assert eng.stops_steps is not overlap
-    policy = eng.scheduler.policy
-    urgent, background = make_request(priority=0), make_request(priority=1)
-    policy.begin_step(0.0, [urgent, background])
-    # Two classes about: capped only where a running step cannot be stopped for urgent work.
-    assert (policy.step_cap is None) is not overlap
+    eng.add_request(PROMPTS[1], GREEDY, priority=1)
+    so = eng.schedule()
+    urgent = eng.add_request(PROMPTS[0], GREEDY, priority=0)
+    assert eng.interrupt_for(so, urgent) is not overlap
 
 
 def test_no_interrupt_where_a_step_cannot_stop(tiny_llama):

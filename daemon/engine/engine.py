@@ -310,14 +310,11 @@ class Engine:
     def enable_step_stops(self) -> bool:
         """The loop runs one step at a time, so a running step may be stopped for an
         urgent arrival (`interrupt_for`) where the runner can (a CPU runner without tensor
-        parallelism or speculation) and no KV connector moves the step's KV. Tells the
-        policy (its optional `use_step_stops`); returns whether steps will stop."""
+        parallelism or speculation) and no KV connector moves the step's KV. Returns
+        whether steps will stop."""
         self.stops_steps = (
             getattr(self.runner, "interrupt", None) is not None and self.kv_connector is None
         )
-        tell = getattr(self.scheduler.policy, "use_step_stops", None)
-        if tell is not None:
-            tell(self.stops_steps)
         return self.stops_steps
 
     def arm_interrupt(self) -> None:

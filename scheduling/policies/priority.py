@@ -19,20 +19,21 @@ class PriorityPolicy(BasePolicy):
     admits it carries nothing of lower priority (`urgent_prefill_alone`).
 
     What is left of an urgent request's wait is the step already in flight when it
-    arrives, on average half of it. Where the engine can stop that step between layers
-    and take it back (a CPU engine without the batch queue: it calls `use_step_stops`),
-    it does so for urgent arrivals (`interrupts`; scheduling/step_undo.py) and the wait is
-    one layer; nothing else is needed. Elsewhere, while requests of the most urgent class
-    seen in the last `window_s` share the engine with less urgent ones, each step's work
-    for the less urgent ones is capped (`step_token_cap`) so that a step costs at most
-    `urgent_wait` x the time of a typical urgent prefill, but never below twice the step's
-    fixed cost; both priced with measured step times (step_times.py; the cost model only
-    until steps have been seen). The cap and the urgent class are fixed once a step, in
-    `begin_step`. Where step time grows with the rows this trades background throughput
-    for the urgent TTFT (live on 2 CPU cores the cap cost the batch class ~1/3 of its
-    tokens, for a TTFT that stopping steps gives without it); where a step's cost is flat
-    in its rows (a GPU's decode) the cap is large and costs little. `urgent_wait=0` turns
-    it off.
+    arrives. Where the engine can stop that step between layers and take it back (a CPU
+    engine without the batch queue), it does so for urgent arrivals (`interrupts`;
+    scheduling/step_undo.py). And while requests of the most urgent class seen in the last
+    `window_s` share the engine with less urgent ones, each step's work for the less
+    urgent ones is capped (`step_token_cap`) so that a step costs at most `urgent_wait` x
+    the time of a typical urgent prefill, but never below twice the step's fixed cost;
+    both priced with measured step times (step_times.py; the cost model only until steps
+    have been seen). The cap and the urgent class are fixed once a step, in `begin_step`.
+    The cap bounds the wait where steps cannot stop, and where they can it still keeps
+    the urgent prompt's own step quick: what a long step before it sent out (its SSE
+    writes, the clients' reads) would run beside it. On a CPU, where step time grows with
+    the rows, this trades background throughput for the urgent TTFT (live on 2 cores,
+    with steps stopping: urgent TTFT p50 ~1.0x idle with the cap, ~1.3-1.9x without, for
+    ~1/3 fewer batch tokens); where a step's cost is flat in its rows (a GPU's decode) the
+    cap is large and costs little. `urgent_wait=0` turns it off.
     """
 
     name = "priority"
@@ -65,13 +66,6 @@ class PriorityPolicy(BasePolicy):
         # about, or the cap is off) and the cap on the less urgent ones' tokens.
         self._urgent: int | None = None
         self.step_cap: int | None = None
-        # Set by the engine when it stops steps for urgent arrivals: then no cap.
-        self._steps_stop = False
-
-    def use_step_stops(self, enabled: bool) -> None:
-        """The engine says whether it stops a running step for an arrival `interrupts`
-        names; when it does, less urgent work is not capped."""
-        self._steps_stop = enabled
 
     def begin_step(self, now: float, requests: Sequence[Request]) -> None:
         """Called by the scheduler once per step, before it ranks `requests` (the running
@@ -83,8 +77,7 @@ class PriorityPolicy(BasePolicy):
             if not req.num_computed_tokens:  # not started: counted a step or two, not a run
                 mean = self._prompt_tokens.get(req.priority, float(req.num_prompt_tokens))
                 self._prompt_tokens[req.priority] = mean + 0.1 * (req.num_prompt_tokens - mean)
-        capping = self.urgent_wait and not self._steps_stop
-        self._urgent = self.urgent_class(now) if capping else None
+        self._urgent = self.urgent_class(now) if self.urgent_wait else None
         self.step_cap = None if self._urgent is None else self._token_cap(self._urgent)
 
     def rank(self, req: Request, now: float) -> tuple[int, int, int, float, str]:
