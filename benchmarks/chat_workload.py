@@ -6,8 +6,11 @@ question, 100 to 1,500 words long, so prompt work matters as it does in real cha
 Answers end at EOS or `--max-output` tokens. Deterministic for a seed; nothing is downloaded.
 
     python benchmarks/chat_workload.py > /tmp/chat.jsonl
-    headrace bench sweep --peers headrace,vllm-cpu,llama-server --concurrency 8 \
-        --workload jsonl --dataset-path /tmp/chat.jsonl --num-prompts 48
+    headrace bench sweep --peers headrace,vllm-cpu-bf16,llama-server --concurrency 8 \
+        --api chat --workload jsonl --dataset-path /tmp/chat.jsonl --num-prompts 48
+
+(`--api chat`: the requests are chat messages; sent to the completions API as text, most
+answers end at once.)
 """
 
 from __future__ import annotations
