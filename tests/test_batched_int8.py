@@ -247,10 +247,10 @@ def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch
     fused_call = FusedDecode.__call__
     names = {DOT: "dot", WIDEN: "widen"}
 
-    def fused_counted(self, x, rope, kv_caches, meta):
+    def fused_counted(self, x, rope, kv_caches, meta, stop=None):
         kinds = self.plan(meta.num_tokens)[1]
         rows.extend((names[k], x.shape[0]) for k in set(kinds) if k in names)
-        return fused_call(self, x, rope, kv_caches, meta)
+        return fused_call(self, x, rope, kv_caches, meta, stop)
 
     monkeypatch.setattr(FusedDecode, "__call__", fused_counted)
     fast = dataclasses.replace(smollm, model=model, platform=None)
