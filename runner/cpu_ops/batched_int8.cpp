@@ -394,6 +394,84 @@ std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
   return xf;
 }
 
+// Symmetric int8 per group of 32 inputs: q = round(x * 127 / amax), rounded as the torch
+// reference rounds (nearest even); with the u8 weights, 128 * the group's sum of q is its
+// offset correction. One scalar group (any width that is a multiple of 4).
+inline void quantise_group_scalar(const float* row, int64_t n, int8_t* q, float* scale, int32_t* corr) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(row[k]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *scale = amax / 127.0f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv))));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  if (corr) *corr = 128 * sum;
+}
+
+// The same for a whole row, full groups in vectors (the same products and rounding mode, so
+// the same integers as the scalar loop).
+inline void quantise_row(const float* row, int64_t width, int64_t groups, int8_t* q, float* scale,
+                         int32_t* corr) {
+  constexpr int64_t kWidth = kScaleSteps * 4;
+  for (int64_t j = 0; j < groups; ++j) {
+    const int64_t k0 = j * kWidth, n = std::min(width - k0, kWidth);
+    int32_t* cj = corr ? corr + j : nullptr;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (n == kWidth) {
+      const __m512 a = _mm512_loadu_ps(row + k0), b = _mm512_loadu_ps(row + k0 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      scale[j] = amax / 127.0f;
+      const __m512 vi = _mm512_set1_ps(inv);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      const __m512i qa = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a, vi))));
+      const __m512i qb = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(b, vi))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), _mm512_cvtepi32_epi8(qb));
+      if (cj) *cj = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      continue;
+    }
+#elif defined(__AVX2__)
+    if (n == kWidth) {
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(row + k0 + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      scale[j] = amax / 127.0f;
+      const __m256 vi = _mm256_set1_ps(inv);
+      const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+      __m256i sum = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256i qi = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
+        sum = _mm256_add_epi32(sum, qi);
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
+        for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<int8_t>(lanes[l]);
+      }
+      if (cj) {
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+        int32_t t = 0;
+        for (int l = 0; l < 8; ++l) t += lanes[l];
+        *cj = 128 * t;
+      }
+      continue;
+    }
+#endif
+    quantise_group_scalar(row + k0, n, q + k0, scale + j, cj);
+  }
+}
+
 template <class K, typename T>
 void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
               const float* bias, int64_t n_dim, at::Tensor& out) {
@@ -408,29 +486,18 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
   }
   std::vector<float> xs;
   std::vector<int32_t> xc;
-  const int64_t groups = (k4n + kScaleSteps - 1) / kScaleSteps, group_width = kScaleSteps * 4;
+  const int64_t groups = (k4n + kScaleSteps - 1) / kScaleSteps;
   if constexpr (kGrouped<K>) {
-    // Symmetric int8 per row and group: q = round(x * 127 / amax), as the torch reference
-    // rounds; with the u8 weights, the group's sum of q (times 128) is its correction.
     xs.resize(rows * groups);
     if (K::kOffset) xc.resize(rows * groups);
-    for (int64_t m = 0; m < rows; ++m) {
-      for (int64_t j = 0; j < groups; ++j) {
-        const int64_t k0 = j * group_width, k1 = std::min(width, k0 + group_width);
-        const float* row = xf.data() + m * width;
-        float amax = 0.0f;
-        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(row[k]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        xs[m * groups + j] = amax / 127.0f;
-        int32_t sum = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-          const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv))));
-          xq[m * width + k] = static_cast<X>(v);
-          sum += v;
-        }
-        if (K::kOffset) xc[m * groups + j] = 128 * sum;
-      }
-    }
+    // Rows are independent: quantised in vectors, on both threads (the serial scalar loop
+    // made dot calls ~15% slower at 32-128 rows, Zen 5).
+    const int64_t grain = std::max<int64_t>(1, 16384 / width);
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        quantise_row(xf.data() + m * width, width, groups, reinterpret_cast<int8_t*>(xq.data()) + m * width,
+                     xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
+    });
   }
   run<K, T>(xq.data(), xs.empty() ? nullptr : xs.data(), xc.empty() ? nullptr : xc.data(), groups,
             rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim,
