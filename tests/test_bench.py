@@ -3,6 +3,7 @@ and one short real run against the daemon (result file and PNG). Workloads: thei
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -265,6 +266,17 @@ def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
     assert "| b | 2 |" in (tmp_path / "t.md").read_text()
     assert len(list((tmp_path / "points").glob("*.json"))) == 3  # 2 points + sweep.json
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "Workload: random, input 16 tokens, output 3 tokens (ignore_eos)" in out
+
+
+def test_the_sweep_caption_of_a_jsonl_workload_names_the_file_not_input_len():
+    from daemon.bench.sweep import workload_description
+
+    args = argparse.Namespace(
+        workload="jsonl", dataset_path="chat.jsonl", input_len=128, output_len=64, ignore_eos=False
+    )
+    got = workload_description(args)
+    assert "chat.jsonl" in got and "input" not in got and "else 64 tokens" in got
 
 
 def test_bench_serve_chat_over_the_unix_socket(daemon, tmp_path, capsys):

@@ -200,6 +200,17 @@ def _fmt_level(level: float) -> str:
     return "inf" if math.isinf(level) else f"{level:g}"
 
 
+def workload_description(args: argparse.Namespace) -> str:
+    """The workload as the table's caption names it: a jsonl dataset brings its own lengths."""
+    if args.workload == "jsonl":
+        return (
+            f"jsonl ({args.dataset_path}: the file's prompts, its output lengths where it "
+            f"gives them, else {args.output_len} tokens)"
+        )
+    eos = " (ignore_eos)" if args.ignore_eos else ""
+    return f"{args.workload}, input {args.input_len} tokens, output {args.output_len} tokens{eos}"
+
+
 def tables(
     series: dict[str, list[dict[str, Any]]], reference: str, level_name: str
 ) -> tuple[str, str, list[str]]:
@@ -338,8 +349,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     desc = (
         f"Machine: {machine['cpu_model']}, {machine['cores']} cores, "
         f"ISA {' '.join(machine['isa_flags'])}, "
-        f"torch {machine['torch']}. Workload: {args.workload}, input {args.input_len} tokens, "
-        f"output {args.output_len} tokens{' (ignore_eos)' if args.ignore_eos else ''}, streaming, "
+        f"torch {machine['torch']}. Workload: {workload_description(args)}, streaming, "
         f"{args.api} API."
     )
     if skipped:
