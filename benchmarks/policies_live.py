@@ -19,7 +19,9 @@ Steps, all in this one run on this machine:
 5. urgent: on a priority daemon, priority-0 requests one at a time (idle TTFT), the urgent
    requests of the mix below alone at their own send times (they still queue behind each
    other), the mix (--urgent-share of a Poisson stream at --urgent-load x saturation),
-   then one at a time again (the machine's speed drifts);
+   the probe (the one-at-a-time urgent run again, inside the mix's priority-1 stream: it
+   differs from the idle run by the load alone), then one at a time again (the machine's
+   speed drifts);
    with --urgent-profile, each urgent request's steps from arrival to first token (how many,
    what each carried, its cap, its time: daemon/bench/first_token.py).
 Prints the tables, and a RESULT line with the ratios slo/fcfs and priority/fcfs goodput, the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,7 +75,10 @@ def run(
         kept = [(r, t) for r, t in zip(requests, times) if r.request_class == only_class]
         requests, offsets = [r for r, _ in kept], [t for _, t in kept]
         classes = [c for c in classes if c.name == only_class]
-    return bench_once(args, ep, requests, classes, tok, rate, conc, False, offsets)
+    result = bench_once(args, ep, requests, classes, tok, rate, conc, False, offsets)
+    if offsets:
+        result["last_send_s"] = max(offsets)
+    return result
 
 
 def run_classes(
@@ -175,6 +181,11 @@ def run_urgent(
         result = run(peer, tok, argv, rate, None)
         phases["loaded"] = (start, start := time.monotonic())
         loaded = result["classes"]["urgent"]
+        # The probe: one urgent request at a time, as in the idle run, while the priority-1
+        # share of the mix runs at its own send times. Urgent requests never meet each other
+        # here, so this differs from the idle run by the load alone.
+        probe, background = run_probe(a, peer, tok, one_by_one, argv, rate)
+        phases["probe"] = (start, start := time.monotonic())
         # Idle again: this machine's speed drifts within a run, so the idle baseline is
         # taken on both sides of the load.
         idle_after = run(peer, tok, one_by_one, math.inf, 1)
@@ -193,6 +204,14 @@ def run_urgent(
         return loaded[key] / (base[key] or math.nan)
 
     print(
+        f"probe (one at a time inside the priority-1 load): urgent TTFT p50/p99 "
+        f"{probe['median_ttft_ms']:.0f}/{probe['p99_ttft_ms']:.0f} ms (n={probe['completed']}, "
+        f"sent {probe['span_s'][0]:.1f}-{probe['span_s'][1]:.1f} s into a load that sent its "
+        f"last request at {background['last_send_s']:.1f} s and ended at "
+        f"{background['duration']:.1f} s; "
+        f"load {background['output_throughput']:.1f} output tok/s)"
+    )
+    print(
         f"urgent TTFT p50/p99: idle (one at a time) {idle['median_ttft_ms']:.0f}/"
         f"{idle['p99_ttft_ms']:.0f} ms, again after the load "
         f"{idle_after['median_ttft_ms']:.0f}/{idle_after['p99_ttft_ms']:.0f} ms; "
@@ -201,8 +220,18 @@ def run_urgent(
         f"{loaded['median_ttft_ms']:.0f}/{loaded['p99_ttft_ms']:.0f} ms "
         f"(n={loaded['completed']}); all classes {result['output_throughput']:.1f} output tok/s"
     )
+
+    def probe_ratio(key: str, base: dict) -> float:
+        return probe[key] / (base[key] or math.nan)
+
     return [
         f"priority_urgent_ttft_p50_loaded_over_idle={ratio('median_ttft_ms', idle):.2f}",
+        f"priority_probe_ttft_p50_loaded_over_idle={probe_ratio('median_ttft_ms', idle):.2f}",
+        f"priority_probe_ttft_p99_loaded_over_idle={probe_ratio('p99_ttft_ms', idle):.2f}",
+        "priority_probe_ttft_p50_loaded_over_idle_after="
+        f"{probe_ratio('median_ttft_ms', idle_after):.2f}",
+        "priority_probe_ttft_p99_loaded_over_idle_after="
+        f"{probe_ratio('p99_ttft_ms', idle_after):.2f}",
         f"priority_urgent_ttft_p99_loaded_over_idle={ratio('p99_ttft_ms', idle):.2f}",
         "priority_urgent_ttft_p50_loaded_over_idle_after="
         f"{ratio('median_ttft_ms', idle_after):.2f}",
@@ -212,6 +241,34 @@ def run_urgent(
         f"urgent_offered_req_s={rate:.3f}",
         f"urgent_load_output_tok_s={result['output_throughput']:.1f}",
     ]
+
+
+def run_probe(
+    a: argparse.Namespace,
+    peer: LaunchedPeer,
+    tok: object,
+    one_by_one: list[str],
+    mix: list[str],
+    rate: float,
+) -> tuple[dict, dict]:
+    """The one-at-a-time urgent run inside the mix's priority-1 stream (sent at its own times
+    from another thread), started --probe-delay s in so that the load has built up.
+    Returns the probe's result (with `span_s`: its start and end, s after the load's) and the
+    load's (with `last_send_s`); the probe should end before the load does (`duration`)."""
+    background: dict = {}
+
+    def load() -> None:
+        background.update(run(peer, tok, mix, rate, None, only_class="batch"))
+
+    thread = threading.Thread(target=load, name="priority-1 load")
+    t0 = time.monotonic()
+    thread.start()
+    time.sleep(a.probe_delay)
+    first = time.monotonic() - t0
+    probe = run(peer, tok, one_by_one, math.inf, 1)
+    probe["span_s"] = (first, time.monotonic() - t0)
+    thread.join()
+    return probe, background
 
 
 def main() -> int:
@@ -230,6 +287,9 @@ def main() -> int:
     p.add_argument("--urgent-share", type=float, default=0.1)
     p.add_argument("--urgent-load", type=float, default=1.5, help="offered load / saturation")
     p.add_argument("--urgent-wait", type=float, help="the priority daemon's --urgent-wait")
+    p.add_argument(
+        "--probe-delay", type=float, default=3.0, help="s into the load the urgent probe starts"
+    )
     p.add_argument(
         "--urgent-profile",
         action="store_true",
