@@ -118,6 +118,29 @@ def test_random_and_prefix_workloads_have_exact_token_lengths():
     assert all(r.prompt_tokens == 110 for r in shared)
 
 
+def test_each_sweep_level_draws_its_own_prompts_the_same_for_every_target():
+    # One seed for every level let a level hit the level before's prompts in a prefix cache
+    # with small blocks (headrace's), never in one with 128-token blocks (vLLM's CPU build).
+    import argparse
+
+    from daemon.bench.cli import build_requests
+    from daemon.bench.sweep import level_args
+
+    args = argparse.Namespace(
+        workload="random", num_prompts=4, prompts_per_level=None, input_len=12, output_len=3,
+        range_ratio=0.0, seed=0, classes=[], tenants=None, tenant_weights=None,
+    )  # fmt: skip
+
+    def prompts(index: int, level: float) -> list[str]:
+        level_ns = level_args(args, index, level, "concurrency")
+        return [r.prompt for r in build_requests(level_ns, WordTokenizer())[0]]
+
+    first, second = prompts(0, 1), prompts(1, 8)
+    assert len(first) == 4 and len(second) == 16  # at least two prompts a slot
+    assert not set(first) & set(second)
+    assert prompts(1, 8) == second  # the next target is sent the same prompts
+
+
 def test_jsonl_and_sharegpt_files_load(tmp_path):
     from daemon.bench.workloads import PromptMaker, file_workload
 
