@@ -156,8 +156,9 @@ class Platform:
     def name(self) -> str:
         return "CudaPlatform" if self.device.type == "cuda" else "CpuPlatform"
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        """Convert the loaded model's linear layers to the chosen format (once)."""
+    def prepare(self, model: torch.nn.Module, step_rows: int = 0) -> None:
+        """Convert the loaded model's linear layers to the chosen format (once); `step_rows`
+        (the step's token budget) bounds the rows a batched int8 copy may be measured for."""
         counts = self._pack(model, self.batched_int8)
         log.info("linear layers by format: %s", counts)
         if self.deterministic:
@@ -178,7 +179,7 @@ class Platform:
         if self.batched_int8:
             from runner.batched_rows import measure_batched_rows
 
-            batched = measure_batched_rows(model, self.dtype)
+            batched = measure_batched_rows(model, self.dtype, step_rows=step_rows)
             self.batched_int8, self.batched_rows = batched.kernel, batched.batched_rows
             self.small_rows = batched.small_rows
         # Told after the batched measurement, which may have lowered `small_rows`.

@@ -195,6 +195,44 @@ def test_measurement_sets_the_layers_or_drops_the_copies():
     assert model[0].batched_int8 is None and model[0].batched_rows == 0
 
 
+def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(monkeypatch):
+    # Prompt steps run up to the token budget: the kernel serves them where it still wins there.
+    import runner.batched_rows
+
+    calls: list[tuple[str, ...]] = []
+
+    def fake_times(at_budget: dict[str, float]):
+        def best(runs: dict, reps: int) -> dict[str, float]:
+            calls.append(tuple(runs))
+            ms = {"own": 10.0, "dot": 5.0, "widen": 9.0} if len(calls) == 1 else at_budget
+            return {p: ms[p] / 1e3 for p in runs}
+
+        return best
+
+    model = torch.nn.Sequential(Linear(256, 512))
+    for at_budget, want in (({"own": 10.0, "dot": 7.0}, 64), ({"own": 10.0, "dot": 9.5}, 8)):
+        calls.clear()
+        pack_linears(model, "float", batched_int8="dot")
+        monkeypatch.setattr(runner.batched_rows, "best_of_interleaved", fake_times(at_budget))
+        choice = measure_batched_rows(
+            model, torch.float32, candidates=(8,), reps=1, step_rows=64,
+            candidates_kernels=("dot", "widen"),
+        )  # fmt: skip
+        assert calls == [("own", "dot", "widen"), ("own", "dot")]  # the kept kernel only
+        assert choice.kernel == "dot" and choice.batched_rows == want
+        assert model[0].batched_rows == want and sorted(choice.times) == [8, 64]
+    # Lost at a candidate already: the budget is not timed.
+    calls.clear()
+    monkeypatch.setattr(
+        runner.batched_rows,
+        "best_of_interleaved",
+        lambda runs, reps: calls.append(tuple(runs)) or {p: 0.01 for p in runs},
+    )
+    pack_linears(model, "float", batched_int8="dot")
+    measure_batched_rows(model, torch.float32, candidates=(8,), reps=1, step_rows=64)
+    assert len(calls) == 1
+
+
 def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monkeypatch):
     import runner.batched_rows
     import runner.platform as hw
@@ -203,7 +241,8 @@ def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monk
     monkeypatch.setattr(hw, "measure_small_rows", lambda model, dtype: 16)
     # The batched kernel wins from 8 rows: the small copies give up 5-16 (runner/batched_rows).
     won = runner.batched_rows.BatchedChoice("dot", 64, 4)
-    monkeypatch.setattr(runner.batched_rows, "measure_batched_rows", lambda model, dtype: won)
+    measured = lambda model, dtype, step_rows=0: won  # noqa: E731
+    monkeypatch.setattr(runner.batched_rows, "measure_batched_rows", measured)
     chosen = hw.Platform(torch.device("cpu"), torch.float32, "float",
                          small_batch_int8="rows", batched_int8="dot")  # fmt: skip
     chosen.prepare(torch.nn.Sequential(Linear(64, 64)))

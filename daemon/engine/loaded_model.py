@@ -73,7 +73,7 @@ class LoadedModel:
             if driver is not None:
                 driver.close()
             raise
-        platform.prepare(model)
+        platform.prepare(model, config.max_num_batched_tokens)
         log.info("%s", platform.describe())  # after prepare: it measures and adds reasons
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
