@@ -48,7 +48,7 @@ from daemon.bench.cli import (  # noqa: E402
     load_bench_tokenizer,
     make_endpoint,
 )
-from daemon.bench.sweep import LaunchedPeer, machine_description  # noqa: E402
+from daemon.bench.peers import LaunchedPeer, machine_description  # noqa: E402
 from daemon.service.cli import build_parser  # noqa: E402
 
 

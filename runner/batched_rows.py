@@ -65,6 +65,26 @@ def _sweep(
     return run
 
 
+def _time_paths(
+    layers: list[Linear],
+    dtype: torch.dtype,
+    rows: int,
+    paths: dict[str, tuple[str, int, int]],
+    reps: int,
+) -> dict[str, float]:
+    """ms per sweep of `layers` at `rows`, by path ((kernel, batched_rows, small_rows) each)."""
+    x = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
+    runs = {p: _sweep(layers, x, *settings) for p, settings in paths.items()}
+    times = {p: t * 1e3 for p, t in best_of_interleaved(runs, reps).items()}
+    log.info(
+        "batched int8 at %d rows (ms per sweep of %d linears): %s",
+        rows,
+        len(layers),
+        ", ".join(f"{p} {t:.2f}" for p, t in times.items()),
+    )
+    return times
+
+
 def choose(
     times: dict[int, dict[str, float]], kernels: Sequence[str], small_rows: int, margin: float
 ) -> tuple[str | None, int, int]:
@@ -113,35 +133,19 @@ def measure_batched_rows(
     if layers and kernels:
         with torch.inference_mode():
             for rows in sorted(candidates):
-                x = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
-                runs = {"own": _sweep(layers, x, kernels[0], 0, 0)}
+                paths = {"own": (kernels[0], 0, 0)}
                 if rows <= small_rows:
-                    runs["small"] = _sweep(layers, x, kernels[0], 0, small_rows)
-                runs |= {k: _sweep(layers, x, k, rows, 0) for k in kernels}
-                times[rows] = {p: t * 1e3 for p, t in best_of_interleaved(runs, reps).items()}
-                log.info(
-                    "batched int8 at %d rows (ms per sweep of %d linears): %s",
-                    rows,
-                    len(layers),
-                    ", ".join(f"{p} {t:.2f}" for p, t in times[rows].items()),
-                )
+                    paths["small"] = (kernels[0], 0, small_rows)
+                paths |= {k: (k, rows, 0) for k in kernels}
+                times[rows] = _time_paths(layers, dtype, rows, paths, reps)
                 # More rows only add arithmetic: once nothing beats the own format, stop.
                 if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
                     break
     kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         with torch.inference_mode():
-            x = {k: torch.randn(step_rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
-            runs = {"own": _sweep(layers, x, kernel, 0, 0)}
-            runs[kernel] = _sweep(layers, x, kernel, step_rows, 0)
-            times[step_rows] = {p: t * 1e3 for p, t in best_of_interleaved(runs, step_reps).items()}
-        log.info(
-            "batched int8 at %d rows, the step's token budget (ms per sweep): own %.2f, %s %.2f",
-            step_rows,
-            times[step_rows]["own"],
-            kernel,
-            times[step_rows][kernel],
-        )
+            paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}
+            times[step_rows] = _time_paths(layers, dtype, step_rows, paths, step_reps)
         if times[step_rows][kernel] < margin * times[step_rows]["own"]:
             batched_rows = step_rows
     for m in layers:
