@@ -81,9 +81,8 @@ struct Dot {
     return _mm512_set1_epi32(v);
   }
   static void mac(Acc* a, const W* w, B b) { a[0] = _mm512_dpbusd_epi32(a[0], w[0], b); }
-  static void fold(FAcc* f, const Acc* a, int32_t corr, float scale) {
-    const __m512i exact = _mm512_sub_epi32(a[0], _mm512_set1_epi32(corr));
-    f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(scale), f[0]);
+  static void fold(FAcc* f, const Acc* a, float scale) {
+    f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0]), _mm512_set1_ps(scale), f[0]);
   }
 };
 #elif !HR_W512 && defined(__AVX2__) && defined(__AVXVNNI__)
@@ -109,9 +108,8 @@ struct Dot {
     return _mm256_set1_epi32(v);
   }
   static void mac(Acc* a, const W* w, B b) { a[0] = _mm256_dpbusd_avx_epi32(a[0], w[0], b); }
-  static void fold(FAcc* f, const Acc* a, int32_t corr, float scale) {
-    const __m256i exact = _mm256_sub_epi32(a[0], _mm256_set1_epi32(corr));
-    f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(scale), f[0]);
+  static void fold(FAcc* f, const Acc* a, float scale) {
+    f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[0]), _mm256_set1_ps(scale), f[0]);
   }
 };
 #elif !HR_W512 && defined(__AVX2__)
@@ -142,7 +140,7 @@ struct Dot {
     a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(w[0], b));
     a[1] = _mm256_add_epi32(a[1], _mm256_madd_epi16(w[1], b));
   }
-  static void fold(FAcc* f, const Acc* a, int32_t, float scale) {
+  static void fold(FAcc* f, const Acc* a, float scale) {
     const __m256 s = _mm256_set1_ps(scale);
     f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[0]), s, f[0]);
     f[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[1]), s, f[1]);
@@ -293,9 +291,9 @@ inline void steps_fixed(const typename K::X* x, int64_t x_stride, int64_t s0, co
   }
 }
 
-// The float kernels: one accumulator set over all k4n steps. `xs` and `xc` are unused.
+// The float kernels: one accumulator set over all k4n steps. `xs` is unused.
 template <class K, int MB>
-void tile(const typename K::X* x, int64_t x_stride, const float*, const int32_t*, int64_t k4n,
+void tile(const typename K::X* x, int64_t x_stride, const float*, int64_t k4n,
           const int8_t* block, int64_t g0, float* out) {
   typename K::Acc acc[MB][K::kNG][K::kAcc];
   steps<K, MB>(x, x_stride, 0, k4n, block, g0, acc);
@@ -304,10 +302,11 @@ void tile(const typename K::X* x, int64_t x_stride, const float*, const int32_t*
 }
 
 // "dot": exact int32 sums per scale group, folded into fp32 with the row's group scale
-// `xs[m * groups + j]` after subtracting the group's offset correction `xc[...]`.
+// `xs[m * groups + j]`. The u8 offset stays in the sums: its share is the same for every
+// channel of a row, so `run` subtracts it once per output (an integer subtraction per group
+// and accumulator here cost 3-10% of the kernel's time, Zen 5).
 template <class K, int MB>
-void tile_grouped(const typename K::X* x, int64_t x_stride, const float* xs, const int32_t* xc,
-                  int64_t k4n, const int8_t* block, int64_t g0, float* out) {
+void tile_grouped(const typename K::X* x, int64_t x_stride, const float* xs, int64_t k4n, const int8_t* block, int64_t g0, float* out) {
   const int64_t groups = (k4n + kScaleSteps - 1) / kScaleSteps;
   typename K::FAcc f[MB][K::kNG][K::kAcc];
   for (int m = 0; m < MB; ++m)
@@ -323,7 +322,7 @@ void tile_grouped(const typename K::X* x, int64_t x_stride, const float* xs, con
       steps<K, MB>(x, x_stride, j * kScaleSteps, k4n, block, g0, acc);
     for (int m = 0; m < MB; ++m)
       for (int g = 0; g < K::kNG; ++g)
-        K::fold(f[m][g], acc[m][g], xc ? xc[m * groups + j] : 0, xs[m * groups + j]);
+        K::fold(f[m][g], acc[m][g], xs[m * groups + j]);
   }
   for (int m = 0; m < MB; ++m)
     for (int g = 0; g < K::kNG; ++g) finish<K>(f[m][g], out + m * kBlockN + (g0 + g) * kG);
@@ -334,21 +333,22 @@ constexpr bool kGrouped = std::is_same_v<typename K::X, int8_t>;
 
 template <class K, int MB>
 void tile_rows(int rows, const typename K::X* x, int64_t x_stride, const float* xs,
-               const int32_t* xc, int64_t k4n, const int8_t* block, int64_t g0, float* out) {
+               int64_t k4n, const int8_t* block, int64_t g0, float* out) {
   if constexpr (MB > 0) {
     if (rows == MB) {
       if constexpr (kGrouped<K>)
-        return tile_grouped<K, MB>(x, x_stride, xs, xc, k4n, block, g0, out);
+        return tile_grouped<K, MB>(x, x_stride, xs, k4n, block, g0, out);
       else
-        return tile<K, MB>(x, x_stride, xs, xc, k4n, block, g0, out);
+        return tile<K, MB>(x, x_stride, xs, k4n, block, g0, out);
     }
-    tile_rows<K, MB - 1>(rows, x, x_stride, xs, xc, k4n, block, g0, out);
+    tile_rows<K, MB - 1>(rows, x, x_stride, xs, k4n, block, g0, out);
   }
 }
 
-// `xs`, `xc`: per row, `groups` group scales and offset corrections ("dot"), else null.
+// `xs`: per row, `groups` group scales ("dot"), else null. `row_corr`: per row, the offset's
+// share of every channel's folded sum (sum over groups of correction * scale), else null.
 template <class K, typename T>
-void run(const typename K::X* x, const float* xs, const int32_t* xc, int64_t groups, int64_t rows,
+void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t groups, int64_t rows,
          int64_t k4n, const int8_t* packed, const float* scale, const float* bias, int64_t n_dim,
          T* out) {
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
@@ -366,13 +366,13 @@ void run(const typename K::X* x, const float* xs, const int32_t* xc, int64_t gro
       const int64_t n0 = nb * kBlockN, valid = std::min<int64_t>(kBlockN, n_dim - n0);
       const int mb = static_cast<int>(std::min<int64_t>(K::kMB, rows - m0));
       const float* rs = xs ? xs + m0 * groups : nullptr;
-      const int32_t* rc = xc ? xc + m0 * groups : nullptr;
       for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
-        tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, rc, k4n, block, g0, sums);
+        tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
       for (int m = 0; m < mb; ++m) {
         T* o = out + (m0 + m) * n_dim + n0;
+        const float corr = row_corr ? row_corr[m0 + m] : 0.0f;
         for (int64_t c = 0; c < valid; ++c)
-          o[c] = static_cast<T>(sums[m * kBlockN + c] * scale[n0 + c] +
+          o[c] = static_cast<T>((sums[m * kBlockN + c] - corr) * scale[n0 + c] +
                                 (bias ? bias[n0 + c] : 0.0f));
       }
     }
@@ -515,10 +515,11 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
   }
   std::vector<float> xs;
   std::vector<int32_t> xc;
+  std::vector<float> row_corr;
   const int64_t groups = (k4n + kScaleSteps - 1) / kScaleSteps;
   if constexpr (kGrouped<K>) {
     xs.resize(rows * groups);
-    if (K::kOffset) xc.resize(rows * groups);
+    if (K::kOffset) xc.resize(rows * groups), row_corr.resize(rows);
     // Rows are independent: quantised in vectors, on both threads (the serial scalar loop
     // made dot calls ~15% slower at 32-128 rows, Zen 5).
     const int64_t grain = std::max<int64_t>(1, 16384 / width);
@@ -526,9 +527,17 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
       for (int64_t m = begin; m < end; ++m)
         quantise_row(xf.data() + m * width, width, groups, reinterpret_cast<int8_t*>(xq.data()) + m * width,
                      xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
+      // The offset's share of every channel's sum, one scalar per row: subtracted once in
+      // the epilogue rather than from each group's integers in the inner loop.
+      if (K::kOffset)
+        for (int64_t m = begin; m < end; ++m) {
+          float c = 0.0f;
+          for (int64_t j = 0; j < groups; ++j) c += xc[m * groups + j] * xs[m * groups + j];
+          row_corr[m] = c;
+        }
     });
   }
-  run<K, T>(xq.data(), xs.empty() ? nullptr : xs.data(), xc.empty() ? nullptr : xc.data(), groups,
+  run<K, T>(xq.data(), xs.empty() ? nullptr : xs.data(), row_corr.empty() ? nullptr : row_corr.data(), groups,
             rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim,
             out.data_ptr<T>());
 }
