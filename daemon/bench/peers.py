@@ -63,7 +63,8 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that is free now (the kernel picks it; the tests use it too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -74,7 +75,7 @@ class LaunchedPeer:
 
     def __init__(self, name: str, headrace_args: str, log_dir: Path) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         # transformers serve answers 422 to the (non-OpenAI) ignore_eos field.
         self.accepts_ignore_eos = name != "transformers"
         if name == "headrace":
