@@ -138,19 +138,39 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def isa_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache directory for the kernel builds with narrowed ISA flags (`-mno-avx512f`...).
+# What each narrowing flag takes away, as /proc/cpuinfo names it.
+_NARROWED_FEATURE = {"-mno-avx512f": "avx512f", "-mno-avxvnni": "avx_vnni"}
 
-    The tests that rerun kernel tests on such a build in a subprocess all point it here, and
-    both xdist workers share it (torch's builder locks a build directory): each flag set
-    builds once per run instead of once per test, ~100 s apiece on two cores.
+
+@pytest.fixture(scope="session")
+def isa_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, Path]]:
+    """`isa_build(flags) -> (env, cache)`: the environment in which a subprocess loads the
+    kernels built with narrowed ISA flags (`-mno-avx512f`...), and the cache directory whose
+    `cpu_ops/*/built.ok` that build leaves.
+
+    Narrowed builds all go to one directory shared by both xdist workers (torch's builder
+    locks a build directory), so each flag set builds once per run, ~100-180 s apiece on two
+    cores. Where the CPU has none of the features the flags take away (an AVX2-only CPU asked
+    for `-mno-avx512f`), `-march=native` already builds exactly that: the subprocess loads the
+    native build the suite has made, instead of compiling the same code a second time.
     """
+    from runner.cache_dir import cache_dir
+    from runner.cpu_ops import EXTRA_CFLAGS_ENV
+    from runner.platform import read_cpu_flags
+
     base = tmp_path_factory.getbasetemp()
     root = base.parent if base.name.startswith("popen-gw") else base
-    path = root / "isa-builds"
-    path.mkdir(exist_ok=True)
-    return path
+    narrowed = root / "isa-builds"
+    narrowed.mkdir(exist_ok=True)
+    have = read_cpu_flags()
+
+    def env_for(flags: str) -> tuple[dict, Path]:
+        if not any(_NARROWED_FEATURE[f] in have for f in flags.split()):
+            return dict(os.environ), cache_dir()
+        env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "HEADRACE_CACHE_DIR": str(narrowed)}
+        return env, narrowed
+
+    return env_for
 
 
 @pytest.fixture(scope="session")

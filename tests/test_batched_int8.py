@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import platform
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from runner.batched_rows import choose, measure_batched_rows
-from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
+from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import BatchedInt8, batched_kernels
 from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8, pack_linears
 from runner.models.fused_decode import DOT, WIDEN, FusedDecode
@@ -309,8 +308,8 @@ def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch
 @pytest.mark.parametrize(
     "flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni"], ids=["avx_vnni", "avx2_madd"]
 )
-def test_the_avx2_builds_pass_the_kernel_tests(isa_build_cache, flags):
-    env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "HEADRACE_CACHE_DIR": str(isa_build_cache)}
+def test_the_avx2_builds_pass_the_kernel_tests(isa_build, flags):
+    env, cache = isa_build(flags)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__,
          "-k", "match_the or pack_lays or refused or print_isa"],
@@ -318,7 +317,7 @@ def test_the_avx2_builds_pass_the_kernel_tests(isa_build_cache, flags):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
-    assert any(isa_build_cache.glob("cpu_ops/*/built.ok"))  # it built its own library
+    assert any(cache.glob("cpu_ops/*/built.ok"))  # the build it loaded
     # -march=native keeps AVX-VNNI only where the CPU has it (Sapphire Rapids, Zen 5; not
     # Zen 1-4): elsewhere both builds fall back to madd.
     has_vnni = "avx_vnni" in read_cpu_flags() and "avxvnni" not in flags

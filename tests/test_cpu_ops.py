@@ -7,7 +7,6 @@ build, which `test_a_failed_build_falls_back_to_the_reference` shows.
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from runner.attention_backends import (
     TorchAttentionBackend,
     select_attention_backend,
 )
-from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
+from runner.cpu_ops import load_cpu_ops
 
 CPU = torch.device("cpu")
 
@@ -351,15 +350,11 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
-def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
+def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
     # Here the same tests (and the LoRA kernel's and the fused decoder's) run in a fresh
     # process on a build without AVX-512.
-    env = {
-        **os.environ,
-        EXTRA_CFLAGS_ENV: "-mno-avx512f",
-        "HEADRACE_CACHE_DIR": str(isa_build_cache),
-    }
+    env, cache = isa_build("-mno-avx512f")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
@@ -368,4 +363,4 @@ def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
-    assert any(isa_build_cache.glob("cpu_ops/*/built.ok"))  # it built its own library
+    assert any(cache.glob("cpu_ops/*/built.ok"))  # the build it loaded

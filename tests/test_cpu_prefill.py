@@ -8,7 +8,6 @@ a build without AVX-512 (AVX2 paths) on the same machine.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from daemon.engine.config import EngineConfig
 from daemon.engine.loaded_model import LoadedModel
 from runner import attention, cpu_prefill
 from runner.attention_backends import CpuKernelAttentionBackend
-from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
+from runner.cpu_ops import load_cpu_ops
 from scheduling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -171,13 +170,9 @@ def test_greedy_with_the_kernel_equals_the_reference(tmp_path):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
-def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
+def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The same tests in a fresh process on a build without AVX-512 (the 8-lane paths).
-    env = {
-        **os.environ,
-        EXTRA_CFLAGS_ENV: "-mno-avx512f",
-        "HEADRACE_CACHE_DIR": str(isa_build_cache),
-    }
+    env, cache = isa_build("-mno-avx512f")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "not avx2_build"],
@@ -185,4 +180,4 @@ def test_the_avx2_build_passes_these_tests_too(isa_build_cache):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
-    assert any(isa_build_cache.glob("cpu_ops/*/built.ok"))  # it built its own library
+    assert any(cache.glob("cpu_ops/*/built.ok"))  # the build it loaded
