@@ -26,6 +26,8 @@ from runner.platform import read_cpu_flags
 from scheduling import SamplingParams
 
 X86 = platform.machine() == "x86_64"
+# The largest activation integer of each "dot" build: madd multiplies int16 activations.
+DOT_QMAX = {"avx512_vnni": 127, "avx_vnni": 127, "avx2_madd": 32767}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,18 +43,21 @@ def kernels() -> list[str]:
 
 
 def reference(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
-    """What the kernel computes, in float64: for "dot" int8 activations scaled per row and
-    per group of 32 inputs; for "widen" the activations as the build multiplies them (bf16
-    pairs or fp32)."""
+    """What the kernel computes, in float64: for "dot" activations scaled per row and per
+    group of 32 inputs to int8 (VNNI) or int16 (AVX2 madd); for "widen" the activations as
+    the build multiplies them (bf16 pairs or fp32)."""
     xf = x.float()
     if kernel == "dot":
+        qmax = DOT_QMAX[batched_kernels()["dot"]]
         y = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
         for k0 in range(0, x.shape[1], 32):
             g = xf[:, k0 : k0 + 32]
             amax = g.abs().amax(dim=1, keepdim=True)
-            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-            xq = (g * inv).round().clamp(-127, 127)
-            y += (xq.double() @ q[:, k0 : k0 + 32].double().t()) * (amax / 127).double()
+            # A true division, as the kernel's (torch's `qmax / amax` multiplies by the
+            # reciprocal: one ulp off, and at 32767 that flips a rounding now and then).
+            inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, 0.0)
+            xq = (g * inv).round().clamp(-qmax, qmax)
+            y += (xq.double() @ q[:, k0 : k0 + 32].double().t()) * (amax / qmax).double()
         y = y * scale.double()
     else:
         if batched_kernels()["widen"] == "avx512_bf16":
@@ -85,6 +90,20 @@ def test_kernels_match_the_dequantised_matmul(dtype):
             torch.testing.assert_close(
                 c(x, None).float(), (want - bias).float(), atol=tol, rtol=tol
             )
+
+
+def test_dot_errs_from_weight_only_int8_by_its_activation_rounding_only():
+    # int16 activations (AVX2 madd) leave the weight-only int8 answer to ~1e-5; int8 ones
+    # (VNNI) to ~1e-3: the bound is 2 / the largest activation integer either way.
+    torch.manual_seed(0)
+    w = torch.randn(192, 576) * 0.05
+    q, scale = Int8Weight.quantize_rows(w)
+    x = torch.randn(8, 576)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    got = BatchedInt8.from_rows(q, scale, "dot")(x, None).double()
+    rel = ((got - exact).norm() / exact.norm()).item()
+    qmax = DOT_QMAX[batched_kernels()["dot"]]
+    assert rel < 2 / qmax, (rel, batched_kernels())
 
 
 def test_pack_lays_out_blocks_of_channels_by_four_inputs():
@@ -312,7 +331,7 @@ def test_the_avx2_builds_pass_the_kernel_tests(isa_build, flags):
     env, cache = isa_build(flags)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__,
-         "-k", "match_the or pack_lays or refused or print_isa"],
+         "-k", "match_the or activation_rounding or pack_lays or refused or print_isa"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

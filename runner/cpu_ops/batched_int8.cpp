@@ -7,12 +7,12 @@
 // multiplies each loaded weight vector into MB accumulators (no horizontal sums in the loop).
 // Two inner loops, measured against each other at load (runner/batched_rows.py):
 //
-//   "dot"    activations quantised to int8 per row and per group of 32 inputs (dynamic
-//            scale amax / 127), int8 dot products in exact int32 within a group, folded
-//            into fp32 across groups: AVX-512 VNNI or AVX-VNNI (u8 x s8: the weights flip
-//            their sign bit to q + 128, minus 128 * the group's activation sum), or AVX2
-//            madd on int16 (s16 x s16 pairs into int32: nothing saturates, unlike
-//            maddubs' int16 sums).
+//   "dot"    activations quantised per row and per group of 32 inputs (dynamic scale
+//            amax / kQMax), integer dot products in exact int32 within a group, folded
+//            into fp32 across groups: AVX-512 VNNI or AVX-VNNI on int8 activations (u8 x
+//            s8: the weights flip their sign bit to q + 128, minus 128 * the group's
+//            activation sum), or AVX2 madd on int16 activations (s16 x s16 pairs into
+//            int32: nothing saturates, unlike maddubs' int16 sums).
 //   "widen"  weights widened in registers: to bf16 pairs for _mm512_dpbf16_ps (activations
 //            rounded to bf16), else to fp32 for FMA (activations fp32).
 //
@@ -66,6 +66,7 @@ struct Dot {
   using W = __m512i;
   using B = __m512i;
   static constexpr bool kOffset = true;
+  static constexpr int kQMax = 127;
   // Two accumulator sets (int32 within a scale group, fp32 across them) share 32 registers.
   static constexpr int kAcc = 1, kW = 1, kNG = 2, kMB = 5;
   static void zero(Acc* a) { a[0] = _mm512_setzero_si512(); }
@@ -95,6 +96,7 @@ struct Dot {
   using W = __m256i;
   using B = __m256i;
   static constexpr bool kOffset = true;
+  static constexpr int kQMax = 127;
   static constexpr int kAcc = 1, kW = 1, kNG = 2, kMB = 3;
   static void zero(Acc* a) { a[0] = _mm256_setzero_si256(); }
   static void fzero(FAcc* a) { a[0] = _mm256_setzero_ps(); }
@@ -116,8 +118,10 @@ struct Dot {
 #define HR_DOT 1
 constexpr const char* kDotIsa = "avx2_madd";
 // s8 widened to s16; madd sums two s16 x s16 products into int32, which cannot saturate.
-// The activations come widened too (once per call): a step's 4 inputs are then one 64-bit
-// broadcast, where building it from 4 bytes took ~14 scalar instructions per row and step.
+// The activations are int16 (a step's 4 inputs are one 64-bit broadcast; built from 4 bytes
+// it took ~14 scalar instructions per row and step), so they keep 16 bits, not 8: a group of
+// 32 sums to at most 32 * 127 * 32767 < 2^31, and the answer is the weight-only int8 one to
+// ~1e-5 (with int8 activations at one row, greedy SmolLM2 lost "Paris", Zen 1).
 struct Dot {
   using X = int16_t;
   using Acc = __m256i;
@@ -125,6 +129,7 @@ struct Dot {
   using W = __m256i;
   using B = __m256i;
   static constexpr bool kOffset = false;
+  static constexpr int kQMax = 32767;
   static constexpr int kAcc = 2, kW = 2, kNG = 1, kMB = 3;
   static void zero(Acc* a) { a[0] = a[1] = _mm256_setzero_si256(); }
   static void fzero(FAcc* a) { a[0] = a[1] = _mm256_setzero_ps(); }
@@ -424,18 +429,20 @@ std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
   return xf;
 }
 
-// Symmetric int8 per group of 32 inputs: q = round(x * 127 / amax), rounded as the torch
-// reference rounds (nearest even); with the u8 weights, 128 * the group's sum of q is its
-// offset correction. One scalar group (any width that is a multiple of 4).
-inline void quantise_group_scalar(const float* row, int64_t n, int8_t* q, float* scale, int32_t* corr) {
+// Symmetric per group of 32 inputs: q = round(x * kQMax / amax) (kQMax 127 for int8, 32767
+// for int16), rounded as the torch reference rounds (nearest even); with the u8 weights, 128 *
+// the group's sum of q is its offset correction. One scalar group (any multiple of 4 wide).
+template <typename Q, int kQMax>
+inline void quantise_group_scalar(const float* row, int64_t n, Q* q, float* scale, int32_t* corr) {
   float amax = 0.0f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(row[k]));
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  *scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
+  *scale = amax / kQMax;
   int32_t sum = 0;
   for (int64_t k = 0; k < n; ++k) {
-    const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv))));
-    q[k] = static_cast<int8_t>(v);
+    const float r = std::nearbyint(row[k] * inv);
+    const int v = static_cast<int>(std::min<float>(kQMax, std::max<float>(-kQMax, r)));
+    q[k] = static_cast<Q>(v);
     sum += v;
   }
   if (corr) *corr = 128 * sum;
@@ -443,7 +450,8 @@ inline void quantise_group_scalar(const float* row, int64_t n, int8_t* q, float*
 
 // The same for a whole row, full groups in vectors (the same products and rounding mode, so
 // the same integers as the scalar loop).
-inline void quantise_row(const float* row, int64_t width, int64_t groups, int8_t* q, float* scale,
+template <typename Q, int kQMax>
+inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, float* scale,
                          int32_t* corr) {
   constexpr int64_t kWidth = kScaleSteps * 4;
   for (int64_t j = 0; j < groups; ++j) {
@@ -453,14 +461,19 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, int8_t
     if (n == kWidth) {
       const __m512 a = _mm512_loadu_ps(row + k0), b = _mm512_loadu_ps(row + k0 + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      scale[j] = amax / 127.0f;
+      const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
+      scale[j] = amax / kQMax;
       const __m512 vi = _mm512_set1_ps(inv);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      const __m512i lo = _mm512_set1_epi32(-kQMax), hi = _mm512_set1_epi32(kQMax);
       const __m512i qa = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a, vi))));
       const __m512i qb = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(b, vi))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), _mm512_cvtepi32_epi8(qb));
+      if constexpr (sizeof(Q) == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), _mm512_cvtepi32_epi8(qb));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), _mm512_cvtepi32_epi16(qa));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + 16), _mm512_cvtepi32_epi16(qb));
+      }
       if (cj) *cj = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
       continue;
     }
@@ -476,17 +489,17 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, int8_t
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
       const float amax = _mm_cvtss_f32(m4);
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      scale[j] = amax / 127.0f;
+      const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
+      scale[j] = amax / kQMax;
       const __m256 vi = _mm256_set1_ps(inv);
-      const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+      const __m256i lo = _mm256_set1_epi32(-kQMax), hi = _mm256_set1_epi32(kQMax);
       __m256i sum = _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
         const __m256i qi = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
         sum = _mm256_add_epi32(sum, qi);
         alignas(32) int32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
-        for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<int8_t>(lanes[l]);
+        for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<Q>(lanes[l]);
       }
       if (cj) {
         alignas(32) int32_t lanes[8];
@@ -498,7 +511,7 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, int8_t
       continue;
     }
 #endif
-    quantise_group_scalar(row + k0, n, q + k0, scale + j, cj);
+    quantise_group_scalar<Q, kQMax>(row + k0, n, q + k0, scale + j, cj);
   }
 }
 
@@ -525,15 +538,9 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
     // made dot calls ~15% slower at 32-128 rows, Zen 5).
     const int64_t grain = std::max<int64_t>(1, 16384 / width);
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<int8_t> q8(std::is_same_v<X, int8_t> ? 0 : width);
-      for (int64_t m = begin; m < end; ++m) {
-        int8_t* q = std::is_same_v<X, int8_t> ? reinterpret_cast<int8_t*>(xq.data()) + m * width
-                                              : q8.data();
-        quantise_row(xf.data() + m * width, width, groups, q, xs.data() + m * groups,
-                     K::kOffset ? xc.data() + m * groups : nullptr);
-        if constexpr (!std::is_same_v<X, int8_t>)  // the madd kernel's int16 inputs
-          std::copy(q8.begin(), q8.end(), xq.begin() + m * width);
-      }
+      for (int64_t m = begin; m < end; ++m)
+        quantise_row<X, K::kQMax>(xf.data() + m * width, width, groups, xq.data() + m * width,
+                                  xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
       // The offset's share of every channel's sum, one scalar per row: subtracted once in
       // the epilogue rather than from each group's integers in the inner loop.
       if (K::kOffset)

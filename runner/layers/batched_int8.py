@@ -4,9 +4,9 @@ The C++ kernel (runner/cpu_ops/batched_int8.cpp) reads the int8 weight once per 
 multiplies it into register tiles of several rows, one of two ways:
 
 ```
-dot     activations quantised to int8 per row and per group of 32 inputs (dynamic scales),
-        int8 dot products in int32 (AVX-512 VNNI, AVX-VNNI, or AVX2 madd that cannot
-        saturate)
+dot     activations quantised per row and per group of 32 inputs (dynamic scales), integer
+        dot products in int32: int8 activations on AVX-512 VNNI and AVX-VNNI, int16 ones on
+        AVX2 madd (which cannot saturate; as exact as weight-only int8)
 widen   int8 weights widened in registers: bf16 pairs (AVX512-BF16) or fp32 FMA
 ```
 
