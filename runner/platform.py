@@ -184,9 +184,12 @@ class Platform:
             self.small_rows = batched.small_rows
         # Told after the batched measurement, which may have lowered `small_rows`.
         if self.small_batch_int8:
+            taken = batched is not None and batched.kernel is not None
             self.reasons.append(
                 f"small-batch int8 weights ({self.small_batch_int8}) for <= {self.small_rows} rows"
                 if self.small_rows
+                else "small-batch int8 weights: dropped, the batched kernel serves from 1 row"
+                if taken
                 else "small-batch int8 weights: not faster here, dropped"
             )
         if batched is not None:
