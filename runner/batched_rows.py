@@ -10,6 +10,9 @@ within the quality target) this build has. The kernel with the least total time 
 that would run otherwise (the own format by `margin`, the small copy outright). Where that
 run starts inside `small_rows`, the small copy gives those rows up.
 
+Where the run starts at the first candidate, it is followed down through the small copy's
+rows (4, 2, 1), while the kernel beats the copy; at one row the copy is dropped.
+
 Prompt steps run up to the step's token budget (2048 rows by default). Where the kernel wins
 through the last candidate, one more point at the budget (the own format against the kept
 kernel only, at the most rows a call can have, so a few repetitions suffice) decides whether
@@ -111,6 +114,32 @@ def choose(
     return kernel, batched_rows, small_rows
 
 
+def _take_few_rows(
+    layers: list[Linear],
+    dtype: torch.dtype,
+    kernel: str,
+    small_rows: int,
+    reps: int,
+    times: dict[int, dict[str, float]],
+) -> int:
+    """The kernel's run reached down into the small copy's rows: go on down, halving, while it
+    beats the copy (timed at small_rows, small_rows / 2, ..., 1). Returns the new small_rows;
+    0 leaves every row count to the kernel.
+
+    NOTE: where the CPU widens int8 weights to fp32 slower than it multiplies int8 pairs
+    (AVX2 without VNNI, Zen 1: 21 against 27 ms a sweep at one row), the kernel wins down to
+    one row, although it quantises the activations too.
+    """
+    rows = small_rows
+    while rows >= 1:
+        paths = {"small": (kernel, 0, small_rows), kernel: (kernel, rows, 0)}
+        times[rows] = _time_paths(layers, dtype, rows, paths, reps)
+        if times[rows][kernel] >= times[rows]["small"]:
+            break
+        rows //= 2
+    return rows
+
+
 def measure_batched_rows(
     model: torch.nn.Module,
     dtype: torch.dtype,
@@ -142,6 +171,9 @@ def measure_batched_rows(
                 if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
                     break
     kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
+    if kernel is not None and 0 < small_rows < min(candidates):
+        with torch.inference_mode():
+            small_rows = _take_few_rows(layers, dtype, kernel, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         with torch.inference_mode():
             paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}
@@ -151,6 +183,8 @@ def measure_batched_rows(
     for m in layers:
         if m.has_small_batch_int8:
             m.small_rows = small_rows
+            if small_rows == 0:  # the kernel serves every row count: the copy is dead weight
+                m.set_small_batch_int8(None)
         if kernel is None:
             m.set_batched_int8(None)
         else:

@@ -252,6 +252,41 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
     assert len(calls) == 1
 
 
+def test_a_run_from_the_first_candidate_goes_on_down_while_it_beats_the_small_copy(monkeypatch):
+    # On AVX2 without VNNI the dot kernel beat the fp32-widening GEMV down to one row.
+    import runner.batched_rows
+
+    def fake(small_loses_below: int):
+        def best(runs: dict, reps: int) -> dict[str, float]:
+            if "own" in runs:  # a candidate: the kernel wins (the small copy serves 8, 16)
+                ms = {"own": 10.0, "small": 6.0, "dot": 5.0}
+            else:  # a few rows: the kernel wins until the count is small_loses_below
+                few = calls.count("few") + 1
+                calls.append("few")
+                rows_now = 8 >> few
+                ms = {"small": 6.0, "dot": 5.0 if rows_now >= small_loses_below else 7.0}
+            return {p: ms[p] / 1e3 for p in runs}
+
+        return best
+
+    for loses_below, want_small, timed in ((2, 1, [4, 2, 1]), (0, 0, [4, 2, 1]), (8, 4, [4])):
+        calls: list[str] = []
+        model = torch.nn.Sequential(Linear(256, 512))
+        pack_linears(model, "float", small_batch_int8="rows", batched_int8="dot")
+        model[0].small_rows = 16
+        monkeypatch.setattr(runner.batched_rows, "best_of_interleaved", fake(loses_below))
+        choice = measure_batched_rows(
+            model, torch.float32, candidates=(8, 16, 32), reps=1, candidates_kernels=("dot",)
+        )
+        assert choice.kernel == "dot" and choice.batched_rows == 32, choice
+        assert choice.small_rows == want_small, choice
+        assert sorted(r for r in choice.times if r < 8) == sorted(timed)
+        assert model[0].small_rows == want_small
+        # Where the kernel takes every row count, the small copy is dropped, not kept unused.
+        assert model[0].has_small_batch_int8 == (want_small > 0)
+        assert f"for {want_small + 1}-32 rows" in choice.describe()
+
+
 def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monkeypatch):
     import runner.batched_rows
     import runner.platform as hw
