@@ -10,8 +10,9 @@ within the quality target) this build has. The kernel with the least total time 
 that would run otherwise (the own format by `margin`, the small copy outright). Where that
 run starts inside `small_rows`, the small copy gives those rows up.
 
-Where the run starts at the first candidate, it is followed down through the small copy's
-rows (4, 2, 1), while the kernel beats the copy; at one row the copy is dropped.
+Where the run starts at the first candidate, and the kernel's activations are as exact as
+the small copy's (`FEW_ROW_ISAS`), it is followed down through the small copy's rows (4, 2,
+1) while the kernel beats the copy; at one row the copy is dropped.
 
 Prompt steps run up to the step's token budget (2048 rows by default). Where the kernel wins
 through the last candidate, one more point at the budget (the own format against the kept
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.format_timing import best_of_interleaved
-from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
+from runner.layers.batched_int8 import AUTO_KERNELS, FEW_ROW_ISAS, batched_kernels
 from runner.layers.linear import Linear
 
 log = logging.getLogger("headrace.platform")
@@ -126,9 +127,8 @@ def _take_few_rows(
     beats the copy (timed at small_rows, small_rows / 2, ..., 1). Returns the new small_rows;
     0 leaves every row count to the kernel.
 
-    NOTE: where the CPU widens int8 weights to fp32 slower than it multiplies int8 pairs
-    (AVX2 without VNNI, Zen 1: 21 against 27 ms a sweep at one row), the kernel wins down to
-    one row, although it quantises the activations too.
+    Where the CPU widens int8 weights to fp32 slower than it multiplies int16 pairs (AVX2
+    without VNNI, Zen 1: 21 against 27 ms a sweep at one row), the kernel wins down to one row.
     """
     rows = small_rows
     while rows >= 1:
@@ -171,7 +171,8 @@ def measure_batched_rows(
                 if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
                     break
     kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
-    if kernel is not None and 0 < small_rows < min(candidates):
+    few_rows_exact = kernel is not None and batched_kernels()[kernel] in FEW_ROW_ISAS
+    if few_rows_exact and 0 < small_rows < min(candidates):
         with torch.inference_mode():
             small_rows = _take_few_rows(layers, dtype, kernel, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:

@@ -252,8 +252,12 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
     assert len(calls) == 1
 
 
-def test_a_run_from_the_first_candidate_goes_on_down_while_it_beats_the_small_copy(monkeypatch):
-    # On AVX2 without VNNI the dot kernel beat the fp32-widening GEMV down to one row.
+@pytest.mark.parametrize("isa", ["avx2_madd", "avx512_vnni"])
+def test_a_run_from_the_first_candidate_goes_on_down_while_it_beats_the_small_copy(
+    monkeypatch, isa
+):
+    # On AVX2 without VNNI the dot kernel beat the fp32-widening GEMV down to one row. A
+    # kernel that rounds activations to int8 (VNNI) leaves one stream's rows to the copy.
     import runner.batched_rows
 
     def fake(small_loses_below: int):
@@ -269,12 +273,16 @@ def test_a_run_from_the_first_candidate_goes_on_down_while_it_beats_the_small_co
 
         return best
 
-    for loses_below, want_small, timed in ((2, 1, [4, 2, 1]), (0, 0, [4, 2, 1]), (8, 4, [4])):
+    cases = ((2, 1, [4, 2, 1]), (0, 0, [4, 2, 1]), (8, 4, [4]))
+    if isa == "avx512_vnni":
+        cases = ((0, 4, []),)
+    for loses_below, want_small, timed in cases:
         calls: list[str] = []
         model = torch.nn.Sequential(Linear(256, 512))
         pack_linears(model, "float", small_batch_int8="rows", batched_int8="dot")
         model[0].small_rows = 16
         monkeypatch.setattr(runner.batched_rows, "best_of_interleaved", fake(loses_below))
+        monkeypatch.setattr(runner.batched_rows, "batched_kernels", lambda: {"dot": isa})
         choice = measure_batched_rows(
             model, torch.float32, candidates=(8, 16, 32), reps=1, candidates_kernels=("dot",)
         )

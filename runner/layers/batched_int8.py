@@ -27,6 +27,11 @@ BATCHED_KERNELS = ("dot", "widen")
 # "dot" scales activations per group of 32 inputs: per row, as it first did, an outlier
 # channel coarsened the whole row and it cost +2.5%, so the MLP layers widened instead.
 AUTO_KERNELS = ("dot", "widen")
+# The builds whose kernel multiplies activations as exactly as the small-batch copy (fp32, or
+# int16 per group of 32 inputs): only these may take a single stream's rows from it. VNNI
+# "dot" rounds activations to int8 and bf16 "widen" to 8 significant bits, within the target
+# for batches, but with int8 activations at one row greedy SmolLM2 lost "Paris" (Zen 1).
+FEW_ROW_ISAS = frozenset({"avx2_madd", "avx2_fma", "avx512_fma"})
 
 
 def batched_kernels() -> dict[str, str]:
