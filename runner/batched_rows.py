@@ -106,9 +106,11 @@ def choose(
             batched_rows = rows
         elif rows > small_rows or start is not None:
             break
-    if batched_rows <= small_rows or start is None:
+    if batched_rows < small_rows or start is None:
         # Nothing won, or the run ended where the small copy still serves the next rows
-        # (it goes first, so it must keep them).
+        # (it goes first, so it must keep them). A run that ends at small_rows itself takes
+        # all of them (Zen 1: dot beat the copy at 8-32 rows, lost to sgemm at 64, and `<=`
+        # here dropped it).
         return None, 0, small_rows
     if start <= small_rows:
         small_rows = start // 2  # candidates double: the one below the run

@@ -191,6 +191,9 @@ def test_choice_keeps_the_first_unbroken_run_of_wins():
     # A run that ends where the small copy still serves: not taken.
     times = {8: t(10, 4, 9, small=5), 16: t(10, 7, 9, small=6)}
     assert choose(times, ks, 16, 0.9) == (None, 0, 16)
+    # One that ends at the copy's last row count takes all of its rows from 8 on.
+    times = {8: t(10, 4, 9, small=5), 16: t(10, 5, 9, small=6), 32: t(10, 9.5, 12)}
+    assert choose(times, ks, 16, 0.9) == ("dot", 16, 4)
     # widen has the least total time and wins at 8 only; nothing wins at all: dropped.
     assert choose({8: t(10, 9.5, 8), 16: t(10, 9.6, 9.2)}, ks, 4, 0.9) == ("widen", 8, 4)
     assert choose({8: t(10, 9.5, 9.5)}, ks, 4, 0.9) == (None, 0, 4)
