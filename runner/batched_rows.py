@@ -10,9 +10,10 @@ within the quality target) this build has. The kernel with the least total time 
 that would run otherwise (the own format by `margin`, the small copy outright). Where that
 run starts inside `small_rows`, the small copy gives those rows up.
 
-Where the run starts at the first candidate, and the kernel's activations are as exact as
-the small copy's (`FEW_ROW_ISAS`), it is followed down through the small copy's rows (4, 2,
-1) while the kernel beats the copy; at one row the copy is dropped.
+Where the kernel's activations are as exact as the small copy's (`FEW_ROW_ISAS`), it may
+take the copy's remaining rows too: of the splits at 0, 1, 2, 4, ... `small_rows` (copy up
+to it, kernel above), the one with the least total time over those row counts is kept; at 0
+the copy is dropped.
 
 Prompt steps run up to the step's token budget (2048 rows by default). Where the kernel wins
 through the last candidate, one more point at the budget (the own format against the kept
@@ -117,7 +118,7 @@ def choose(
     return kernel, batched_rows, small_rows
 
 
-def _take_few_rows(
+def _split_few_rows(
     layers: list[Linear],
     dtype: torch.dtype,
     kernel: str,
@@ -125,21 +126,25 @@ def _take_few_rows(
     reps: int,
     times: dict[int, dict[str, float]],
 ) -> int:
-    """The kernel's run reached down into the small copy's rows: go on down, halving, while it
-    beats the copy (timed at small_rows, small_rows / 2, ..., 1). Returns the new small_rows;
-    0 leaves every row count to the kernel.
+    """Where the small copy still serves 1..`small_rows`: the split with the least total time
+    over the row counts 1, 2, 4, ..., `small_rows` (timed here where the candidates did not
+    time both paths): the copy up to it, the kernel above. 0 gives every count to the kernel.
 
-    Where the CPU widens int8 weights to fp32 slower than it multiplies int16 pairs (AVX2
-    without VNNI, Zen 1: 21 against 27 ms a sweep at one row), the kernel wins down to one row.
+    One point does not decide: at 8 rows on Zen 1 the two were within noise (copy 72.2 and
+    95.4 ms a sweep, dot 73.7 and 82.7, two start-ups), and when a run of wins had to start
+    at the first candidate, one such point left a single stream on the copy, 29.1 against
+    36.0 tok/s. Over 1-8 rows dot (int16 madd) leads there: 177 against 186 ms.
     """
-    rows = small_rows
-    while rows >= 1:
-        paths = {"small": (kernel, 0, small_rows), kernel: (kernel, rows, 0)}
-        times[rows] = _time_paths(layers, dtype, rows, paths, reps)
-        if times[rows][kernel] >= times[rows]["small"]:
-            break
-        rows //= 2
-    return rows
+    counts = [1 << i for i in range(small_rows.bit_length())]
+    for rows in counts:
+        if not {"small", kernel} <= times.get(rows, {}).keys():
+            paths = {"small": (kernel, 0, small_rows), kernel: (kernel, rows, 0)}
+            times[rows] = times.get(rows, {}) | _time_paths(layers, dtype, rows, paths, reps)
+
+    def total(split: int) -> float:
+        return sum(times[r]["small" if r <= split else kernel] for r in counts)
+
+    return min([0, *counts], key=total)
 
 
 def measure_batched_rows(
@@ -174,9 +179,9 @@ def measure_batched_rows(
                     break
     kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
     few_rows_exact = kernel is not None and batched_kernels()[kernel] in FEW_ROW_ISAS
-    if few_rows_exact and 0 < small_rows < min(candidates):
+    if few_rows_exact and small_rows > 0:
         with torch.inference_mode():
-            small_rows = _take_few_rows(layers, dtype, kernel, small_rows, reps, times)
+            small_rows = _split_few_rows(layers, dtype, kernel, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         with torch.inference_mode():
             paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}

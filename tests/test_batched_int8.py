@@ -256,46 +256,48 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
 
 
 @pytest.mark.parametrize("isa", ["avx2_madd", "avx512_vnni"])
-def test_a_run_from_the_first_candidate_goes_on_down_while_it_beats_the_small_copy(
-    monkeypatch, isa
-):
+def test_the_small_copys_rows_split_where_the_total_time_is_least(monkeypatch, isa):
     # On AVX2 without VNNI the dot kernel beat the fp32-widening GEMV down to one row. A
     # kernel that rounds activations to int8 (VNNI) leaves one stream's rows to the copy.
     import runner.batched_rows
 
-    def fake(small_loses_below: int):
-        def best(runs: dict, reps: int) -> dict[str, float]:
-            if "own" in runs:  # a candidate: the kernel wins (the small copy serves 8, 16)
-                ms = {"own": 10.0, "small": 6.0, "dot": 5.0}
-            else:  # a few rows: the kernel wins until the count is small_loses_below
-                few = calls.count("few") + 1
-                calls.append("few")
-                rows_now = 8 >> few
-                ms = {"small": 6.0, "dot": 5.0 if rows_now >= small_loses_below else 7.0}
-            return {p: ms[p] / 1e3 for p in runs}
+    wins = {"own": 10.0, "small": 6.0, "dot": 5.0}
+    # (times at 8 rows, at 1 / 2 / 4 rows as (small, dot), the split kept)
+    cases = [
+        (wins, [(6, 5), (6, 5), (6, 5)], 0),  # the kernel wins everywhere: the copy goes
+        (wins, [(3, 7), (6, 5), (6, 5)], 1),  # one row is the copy's
+        (wins, [(6, 4), (6, 4), (5, 5.2)], 0),  # a near tie at 4 rows does not decide
+        # A near tie at 8 rows left the run to start at 16: 1-8 rows are split as a whole.
+        (wins | {"dot": 6.1}, [(6, 5), (6, 5), (6, 5)], 0),
+    ]
+    for at8, few, want in cases if isa == "avx2_madd" else cases[:1]:
+        table = {8: at8, 16: wins, 32: wins, 1: dict(zip(("small", "dot"), few[0]))}
+        table |= {2: dict(zip(("small", "dot"), few[1])), 4: dict(zip(("small", "dot"), few[2]))}
+        timed: list[int] = []
 
-        return best
+        def fake(layers, dtype, rows, paths, reps, table=table, timed=timed):
+            timed.append(rows)
+            return {p: table[rows][p] for p in paths}
 
-    cases = ((2, 1, [4, 2, 1]), (0, 0, [4, 2, 1]), (8, 4, [4]))
-    if isa == "avx512_vnni":
-        cases = ((0, 4, []),)
-    for loses_below, want_small, timed in cases:
-        calls: list[str] = []
         model = torch.nn.Sequential(Linear(256, 512))
         pack_linears(model, "float", small_batch_int8="rows", batched_int8="dot")
         model[0].small_rows = 16
-        monkeypatch.setattr(runner.batched_rows, "best_of_interleaved", fake(loses_below))
+        monkeypatch.setattr(runner.batched_rows, "_time_paths", fake)
         monkeypatch.setattr(runner.batched_rows, "batched_kernels", lambda: {"dot": isa})
         choice = measure_batched_rows(
             model, torch.float32, candidates=(8, 16, 32), reps=1, candidates_kernels=("dot",)
         )
         assert choice.kernel == "dot" and choice.batched_rows == 32, choice
-        assert choice.small_rows == want_small, choice
-        assert sorted(r for r in choice.times if r < 8) == sorted(timed)
-        assert model[0].small_rows == want_small
+        if isa == "avx512_vnni":  # the copy keeps 1-4 rows, and they are not timed
+            want = 4
+            assert timed == [8, 16, 32]
+        else:
+            assert sorted(timed) == [1, 2, 4, 8, 16, 32]
+        assert choice.small_rows == want, (at8, few, choice)
+        assert model[0].small_rows == want
         # Where the kernel takes every row count, the small copy is dropped, not kept unused.
-        assert model[0].has_small_batch_int8 == (want_small > 0)
-        assert f"for {want_small + 1}-32 rows" in choice.describe()
+        assert model[0].has_small_batch_int8 == (want > 0)
+        assert f"for {want + 1}-32 rows" in choice.describe()
 
 
 def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monkeypatch):
