@@ -132,8 +132,9 @@ def _split_few_rows(
 
     One point does not decide: at 8 rows on Zen 1 the two were within noise (copy 72.2 and
     95.4 ms a sweep, dot 73.7 and 82.7, two start-ups), and when a run of wins had to start
-    at the first candidate, one such point left a single stream on the copy, 29.1 against
-    36.0 tok/s. Over 1-8 rows dot (int16 madd) leads there: 177 against 186 ms.
+    at the first candidate, one such point left a single stream on the copy. Over 1-8 rows
+    dot (int16 madd) leads there (177 against 186 ms), and one stream on it generates
+    1.04-1.34x the tok/s (benchmarks/few_rows.py, 8 rounds).
     """
     counts = [1 << i for i in range(small_rows.bit_length())]
     for rows in counts:
