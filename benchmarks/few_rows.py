@@ -46,8 +46,6 @@ def main() -> None:
     for m in layers:
         if not m.has_small_batch_int8:
             m.set_small_batch_int8(SmallBatchInt8.from_weight(m.weight.detach(), "rows"))
-    fused = [v for mod in loaded.model.modules() for v in vars(mod).values()
-             if isinstance(v, FusedDecode)]  # fmt: skip
     engine = Engine(config, loaded)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -55,8 +53,9 @@ def main() -> None:
     def serve_few_rows_on(path: str) -> None:
         for m in layers:
             m.small_rows = args.small_rows if path == "small" else 0
-        for f in fused:
-            f._plans.clear()  # the kernels are chosen per row count once: choose again
+        fused = loaded.model.fused_decode
+        if fused is not None:  # it keeps each row count's kernels: a fresh one chooses again
+            loaded.model.fused_decode = FusedDecode(fused.layers)
 
     ratios: dict[int, list[float]] = {b: [] for b in args.batch}
     for r in range(args.rounds):
