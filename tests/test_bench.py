@@ -269,6 +269,56 @@ def test_bench_sweep_draws_targets_side_by_side(daemon, tmp_path, capsys):
     assert "Workload: random, input 16 tokens, output 3 tokens (ignore_eos)" in out
 
 
+def test_bench_sweep_rounds_take_turns_in_a_rotated_order(daemon, tmp_path, capsys):
+    from daemon.service.cli import main
+
+    rc = main(
+        [
+            "bench", "sweep", "--target", f"a={daemon.url}", "--target", f"b={daemon.url}",
+            "--concurrency", "2", "--num-prompts", "2", "--input-len", "16", "--rounds", "2",
+            "--output-len", "3", "--ignore-eos", "--result-dir", str(tmp_path / "points"),
+            "--markdown", str(tmp_path / "t.md"),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    runs = [line.split(":")[0] for line in out.splitlines() if " round " in line]
+    assert runs == [
+        "[a] concurrency=2 round 1/2",
+        "[b] concurrency=2 round 1/2",
+        "[b] concurrency=2 round 2/2",
+        "[a] concurrency=2 round 2/2",
+    ]
+    assert len(list((tmp_path / "points").glob("*_round*.json"))) == 4
+    assert "| b | 2 |" in (tmp_path / "t.md").read_text()
+    assert "| 2: " in out  # the ratio row names its rounds and their spread
+    assert out.strip().splitlines()[-1].startswith("RESULT tput_ratio_b_c2=")
+
+
+def test_a_rounds_ratio_is_the_median_of_paired_ratios_not_a_ratio_of_medians():
+    from daemon.bench.sweep import combine_rounds, round_orders, tables
+
+    assert round_orders(["a", "b", "c"], 4) == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]
+    ]  # fmt: skip
+
+    def point(tput: float, failed: int = 0) -> dict:
+        return {
+            "level": 8.0, "output_throughput": tput, "failed": failed, "median_ttft_ms": tput,
+            "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0, "p99_tpot_ms": 1.0, "median_itl_ms": 1.0,
+        }  # fmt: skip
+
+    # The machine slowed in round 2 for both: paired, b ran at 2x, 0.5x, 1x of ref.
+    b = combine_rounds([point(10.0), point(20.0, failed=1), point(30.0)])
+    ref = combine_rounds([point(5.0), point(40.0), point(30.0, failed=2)])
+    assert b["output_throughput"] == 20.0 and b["round_tputs"] == [10.0, 20.0, 30.0]
+    assert b["failed"] == 1 and ref["failed"] == 2
+    _, ratio_table, pairs = tables({"ref": [ref], "b": [b]}, "ref", "concurrency")
+    # The median of the paired ratios is 1.00x; the ratio of the medians would be 0.67x.
+    assert "| b | 8 | 1.00x |" in ratio_table and "| 3: 0.50-2.00x |" in ratio_table
+    assert pairs == ["tput_ratio_b_c8=1.000"]
+
+
 def test_the_sweep_caption_of_a_jsonl_workload_names_the_file_not_input_len():
     from daemon.bench.sweep import workload_description
 

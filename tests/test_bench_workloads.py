@@ -140,6 +140,15 @@ def test_each_sweep_level_draws_its_own_prompts_the_same_for_every_target():
     assert not set(first) & set(second)
     assert prompts(1, 8) == second  # the next target is sent the same prompts
 
+    # With --rounds, each round of a level draws afresh too, the same for every target.
+    def round_prompts(round_: int) -> list[str]:
+        level_ns = level_args(args, 1, 8, "concurrency", round_)
+        return [r.prompt for r in build_requests(level_ns, WordTokenizer())[0]]
+
+    assert round_prompts(0) == second
+    again = round_prompts(1)
+    assert again == round_prompts(1) and not set(again) & (set(first) | set(second))
+
 
 def test_jsonl_and_sharegpt_files_load(tmp_path):
     from daemon.bench.workloads import PromptMaker, file_workload

@@ -1,18 +1,27 @@
-"""`headrace bench sweep`: the same workload over several loads and several targets, one at
-a time, drawn as latency-throughput curves on one figure, with ratios to a reference."""
+"""`headrace bench sweep`: the same workload over several loads and several targets, drawn as
+latency-throughput curves on one figure, with ratios to a reference.
+
+By default each target runs all its levels alone, one target after another. With `--rounds N`
+every target stays up and each level runs N times, the targets taking turns in an order rotated
+each round, so a machine's drift over minutes (a noisy guest) falls on every engine alike and
+each round gives a paired ratio."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import signal
+import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from daemon.bench.client import Endpoint
 from daemon.bench.peers import LaunchedPeer, machine_description
 
 
@@ -38,6 +47,13 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     levels.add_argument("--concurrency", type=int, nargs="+", help="max concurrencies (rate inf)")
     levels.add_argument("--request-rates", type=float, nargs="+", help="request rates (req/s)")
     p.add_argument("--reference", help="target the ratios are taken against (default: the first)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with N > 1, keep every target up and run each level N times, the targets taking "
+        "turns (order rotated each round); ratios are the median of the rounds' paired ratios",
+    )
     p.add_argument(
         "--prompts-per-level",
         type=int,
@@ -77,17 +93,48 @@ def _point(result: dict[str, Any], level: float) -> dict[str, Any]:
     return {"level": level} | {k: result[k] for k in keys if k in result}
 
 
+# Rounds' seeds sit this far apart, past any sweep's count of levels.
+_ROUND_SEED_STRIDE = 1000
+
+
 def level_args(
-    args: argparse.Namespace, index: int, level: float, level_name: str
+    args: argparse.Namespace, index: int, level: float, level_name: str, round_: int = 0
 ) -> argparse.Namespace:
     """The arguments one level's requests are built from: its prompt count and its own seed."""
     n = args.prompts_per_level or max(
         args.num_prompts, 2 * int(level) if level_name == "concurrency" else args.num_prompts
     )
-    # Each level draws its own prompts (the same for every target): with one seed for all, a
-    # level would find the level before's prompts in an engine's prefix cache, and only an
-    # engine whose blocks are small enough to hit would gain (vLLM's CPU blocks are 128 tokens).
-    return argparse.Namespace(**{**vars(args), "num_prompts": n, "seed": args.seed + index})
+    # Each level and each round draws its own prompts (the same for every target): with one
+    # seed for all, a run would find an earlier run's prompts in an engine's prefix cache, and
+    # only an engine whose blocks are small enough to hit would gain (vLLM's CPU blocks are 128
+    # tokens). Round 0 keeps the seeds a one-round sweep has always used.
+    seed = args.seed + index + _ROUND_SEED_STRIDE * round_
+    return argparse.Namespace(**{**vars(args), "num_prompts": n, "seed": seed})
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """Each round's order of targets, rotated by one a round: over the rounds every target runs
+    first as often as the others, so a trend over minutes does not favour one of them."""
+    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)]
+
+
+def paired_ratios(points: dict[str, Any], reference: dict[str, Any]) -> list[float]:
+    """A target's output rate over the reference's, round by round (each round ran the two
+    minutes apart at most, so a slow spell of the machine cancels in the ratio)."""
+    return [
+        p / r if r else math.nan
+        for p, r in zip(points["round_tputs"], reference["round_tputs"], strict=True)
+    ]
+
+
+def combine_rounds(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's rounds as one point: the round with the median output rate stands for the
+    latencies, with every round's rate kept and the failures summed."""
+    ranked = sorted(points, key=lambda p: p["output_throughput"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    out["round_tputs"] = [p["output_throughput"] for p in points]
+    out["failed"] = sum(p["failed"] for p in points)
+    return out
 
 
 def _fmt_hits(point: dict[str, Any]) -> str:
@@ -130,8 +177,9 @@ def tables(
             )
     ref = {p["level"]: p for p in series.get(reference, [])}
     ratio_rows = [
-        f"| target / {reference} | {level_name} | output tok/s | TTFT p50 | TPOT p50 |",
-        "|---|---|---|---|---|",
+        f"| target / {reference} | {level_name} | output tok/s | TTFT p50 | TPOT p50 "
+        "| rounds (output tok/s) |",
+        "|---|---|---|---|---|---|",
     ]
     pairs: list[str] = []
     for name, points in series.items():
@@ -150,12 +198,45 @@ def tables(
                 ratio("median_ttft_ms"),
                 ratio("median_tpot_ms"),
             )
+            spread = "1"
+            if len(p.get("round_tputs", ())) > 1 and len(r.get("round_tputs", ())) > 1:
+                each = paired_ratios(p, r)
+                tput = statistics.median(each)
+                spread = f"{len(each)}: {min(each):.2f}-{max(each):.2f}x"
             ratio_rows.append(
-                f"| {name} | {_fmt_level(p['level'])} | {tput:.2f}x | {ttft:.2f}x | {tpot:.2f}x |"
+                f"| {name} | {_fmt_level(p['level'])} | {tput:.2f}x | {ttft:.2f}x | {tpot:.2f}x "
+                f"| {spread} |"
             )
             key = re.sub(r"[^A-Za-z0-9]+", "_", name)
             pairs.append(f"tput_ratio_{key}_{level_name[0]}{_fmt_level(p['level'])}={tput:.3f}")
     return "\n".join(rows), "\n".join(ratio_rows), pairs
+
+
+_TARGET_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
+
+
+@contextlib.contextmanager
+def _opened(
+    name: str, url: str | None, args: argparse.Namespace, out_dir: Path
+) -> Iterator[Endpoint]:
+    """A target's endpoint: a running URL as given, or a peer launched here and stopped after."""
+    from daemon.bench.cli import make_endpoint
+
+    peer = None
+    try:
+        if url is None:
+            print(f"[{name}] starting ...", flush=True)
+            peer = LaunchedPeer(name, args.headrace_args, out_dir)
+            peer.wait_ready(args.startup_timeout)
+            url = peer.url
+        ep = make_endpoint(args, url, None)
+        if peer is not None and ep.ignore_eos and not peer.accepts_ignore_eos:
+            print(f"[{name}] no ignore_eos support: outputs may end early", flush=True)
+            ep.ignore_eos = False
+        yield ep
+    finally:
+        if peer is not None:
+            peer.stop()
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -168,7 +249,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from daemon.bench.cli import bench_once, build_requests, load_bench_tokenizer, make_endpoint
+    from daemon.bench.cli import bench_once, build_requests, load_bench_tokenizer
     from daemon.bench.serve import write_result
 
     targets: list[tuple[str, str | None]] = []
@@ -198,44 +279,70 @@ def _run_sweep(args: argparse.Namespace) -> int:
     tokenizer = load_bench_tokenizer(args.tokenizer)
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+
+    def measure(name: str, ep: Endpoint, index: int, level: float, round_: int) -> dict[str, Any]:
+        args_n = level_args(args, index, level, level_name, round_)
+        requests, classes = build_requests(args_n, tokenizer)
+        rate, conc = (level, None) if level_name == "rate" else (math.inf, int(level))
+        result = bench_once(args_n, ep, requests, classes, tokenizer, rate, conc, False)
+        result["machine"] = machine
+        suffix = f"_round{round_}" if args.rounds > 1 else ""
+        write_result(result, out_dir / f"{name}_{level_name}{_fmt_level(level)}{suffix}.json")
+        print(
+            f"[{name}] {level_name}={_fmt_level(level)}"
+            f"{f' round {round_ + 1}/{args.rounds}' if args.rounds > 1 else ''}: "
+            f"{result['output_throughput']:.1f} tok/s, "
+            f"TTFT p50 {result['median_ttft_ms']:.0f} ms, "
+            f"TPOT p50 {result['median_tpot_ms']:.1f} ms, "
+            f"failed {result['failed']}",
+            flush=True,
+        )
+        return _point(result, level)
+
     series: dict[str, list[dict[str, Any]]] = {}
     skipped: list[str] = []
-    for name, url in targets:
-        peer = None
-        try:
-            if url is None:
-                print(f"[{name}] starting ...", flush=True)
-                peer = LaunchedPeer(name, args.headrace_args, out_dir)
-                peer.wait_ready(args.startup_timeout)
-                url = peer.url
-            ep = make_endpoint(args, url, None)
-            if peer is not None and ep.ignore_eos and not peer.accepts_ignore_eos:
-                print(f"[{name}] no ignore_eos support: outputs may end early", flush=True)
-                ep.ignore_eos = False
-            points = []
+    if args.rounds == 1:
+        for name, url in targets:
+            try:
+                with _opened(name, url, args, out_dir) as ep:
+                    series[name] = [
+                        measure(name, ep, index, level, 0) for index, level in enumerate(levels)
+                    ]
+            except _TARGET_ERRORS as e:
+                print(f"[{name}] skipped: {e}", file=sys.stderr, flush=True)
+                skipped.append(name)
+    else:
+        with contextlib.ExitStack() as stack:
+            # Started one at a time, so each engine's start-up measurements run on a quiet
+            # machine; then all stay up, idle but for their turn.
+            endpoints: dict[str, Endpoint] = {}
+            for name, url in targets:
+                try:
+                    endpoints[name] = stack.enter_context(_opened(name, url, args, out_dir))
+                except _TARGET_ERRORS as e:
+                    print(f"[{name}] skipped: {e}", file=sys.stderr, flush=True)
+                    skipped.append(name)
+            rounds: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in endpoints}
             for index, level in enumerate(levels):
-                args_n = level_args(args, index, level, level_name)
-                requests, classes = build_requests(args_n, tokenizer)
-                rate, conc = (level, None) if level_name == "rate" else (math.inf, int(level))
-                result = bench_once(args_n, ep, requests, classes, tokenizer, rate, conc, False)
-                result["machine"] = machine
-                write_result(result, out_dir / f"{name}_{level_name}{_fmt_level(level)}.json")
-                points.append(_point(result, level))
-                print(
-                    f"[{name}] {level_name}={_fmt_level(level)}: "
-                    f"{result['output_throughput']:.1f} tok/s, "
-                    f"TTFT p50 {result['median_ttft_ms']:.0f} ms, "
-                    f"TPOT p50 {result['median_tpot_ms']:.1f} ms, "
-                    f"failed {result['failed']}",
-                    flush=True,
-                )
-            series[name] = points
-        except (RuntimeError, TimeoutError, ConnectionError, OSError) as e:
-            print(f"[{name}] skipped: {e}", file=sys.stderr, flush=True)
-            skipped.append(name)
-        finally:
-            if peer is not None:
-                peer.stop()
+                for n in rounds:
+                    rounds[n].append([])
+                for round_, order in enumerate(round_orders(list(rounds), args.rounds)):
+                    for name in order:
+                        if name not in rounds:  # dropped earlier in this round
+                            continue
+                        try:
+                            point = measure(name, endpoints[name], index, level, round_)
+                        except _TARGET_ERRORS as e:
+                            print(f"[{name}] dropped: {e}", file=sys.stderr, flush=True)
+                            skipped.append(name)
+                            del rounds[name]
+                            continue
+                        rounds[name][index].append(point)
+            series = {
+                n: [combine_rounds(pts) for pts in per_level] for n, per_level in rounds.items()
+            }
     if not series:
         print("bench sweep: no target produced a result", file=sys.stderr)
         return 1
