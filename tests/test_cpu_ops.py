@@ -364,3 +364,48 @@ def test_the_avx2_build_passes_these_tests_too(isa_build):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
     assert any(cache.glob("cpu_ops/*/built.ok"))  # the build it loaded
+
+
+# The sources with ISA branches (#if __AVX512...__, AVX-VNNI, AMX), compiled as one unit:
+# the others hold none, and paged_attention.cpp shares names with vec_attention.cpp.
+_ISA_SOURCES = (
+    "batched_int8",
+    "int8_linear",
+    "lora",
+    "vec_attention",
+    "amx_linear",
+    "amx_attention",
+)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
+@pytest.mark.parametrize(
+    "march,defines",
+    [
+        ("sapphirerapids", ("__AVX512BF16__", "__AVX512VNNI__", "__AMX_TILE__")),
+        ("alderlake", ("__AVXVNNI__", "__AVX2__")),
+    ],
+)
+def test_the_kernels_compile_for_cpu_kinds_other_than_this_one(march, defines, tmp_path):
+    # -march=native compiles only this CPU's branches. An AVX2-only machine never compiled
+    # the AVX512-BF16 ones, and a type test that took bf16 bits (uint16_t) for int16
+    # activations broke every AVX512-BF16 build for two sessions unseen (test suites there
+    # fell back to the reference). A syntax check per CPU kind costs ~13 s.
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import include_paths
+
+    src = Path(__file__).resolve().parents[1] / "runner" / "cpu_ops"
+    unit = tmp_path / "isa_unit.cpp"
+    unit.write_text("".join(f'#include "{name}.cpp"\n' for name in _ISA_SOURCES))
+    flags = ["g++", "-std=c++17", "-fopenmp", f"-march={march}", f"-I{src}"]
+    flags += [f"-I{p}" for p in include_paths()]
+    macros = subprocess.run(
+        [*flags, "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True, text=True
+    )
+    assert macros.returncode == 0, macros.stderr[-2000:]
+    assert all(f"#define {d} 1" in macros.stdout for d in defines), f"{march} lacks {defines}"
+    done = subprocess.run(
+        [*flags, "-w", "-fsyntax-only", str(unit)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

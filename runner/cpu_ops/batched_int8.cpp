@@ -334,8 +334,16 @@ void tile_grouped(const typename K::X* x, int64_t x_stride, const float* xs, int
     for (int g = 0; g < K::kNG; ++g) finish<K>(f[m][g], out + m * kBlockN + (g0 + g) * kG);
 }
 
+// The "dot" kernels quantise their activations (they name the integer range, kQMax) and
+// scale them per group; the "widen" kernels take float or bf16 activations as they are.
+// (Told apart by the activation type, bf16's uint16_t bits passed for int16, and AVX512-BF16
+// builds failed to compile.)
+template <class K, class = void>
+struct QuantisesActivations : std::false_type {};
 template <class K>
-constexpr bool kGrouped = std::is_integral_v<typename K::X> && sizeof(typename K::X) <= 2;
+struct QuantisesActivations<K, std::void_t<decltype(K::kQMax)>> : std::true_type {};
+template <class K>
+constexpr bool kGrouped = QuantisesActivations<K>::value;
 
 template <class K, int MB>
 void tile_rows(int rows, const typename K::X* x, int64_t x_stride, const float* xs,
