@@ -1,5 +1,6 @@
-"""Start-up timings that choose a linear's format: int8 against the float format, and up to
-how many rows the small-batch int8 copies serve (`small_rows`). runner/platform.py decides
+"""Start-up timings that choose a linear's format: oneDNN's fp32 GEMM against MKL's, int8
+against the float format, and up to how many rows the small-batch int8 copies serve
+(`small_rows`). runner/platform.py decides
 with them; runner/batched_rows.py and runner/cpu_prefill.py time their own choices with
 `best_of_interleaved`."""
 
@@ -49,6 +50,46 @@ def _sweep(
             m(inputs[m.in_features])
 
     return run
+
+
+def onednn_f32_beats_float(
+    linears: Sequence[LinearShape] = (),
+    rows: Sequence[int] = (64, 256),
+    reps: int = 3,
+    margin: float = 0.95,
+) -> bool:
+    """Micro-benchmark at start-up (~2 s on SmolLM2, most of it the LM head): the model's
+    linear shapes at prompt-chunk row counts, fp32 through F.linear (MKL) and through oneDNN's prepacked GEMM;
+    oneDNN must take `margin` of the time or less. Decode rows mostly take the int8 copies,
+    so prompt rows are what the float format is left to serve.
+
+    NOTE: on Zen 1 (AVX2, AMD) oneDNN ran the model's shapes at 64-72 GFLOPS, MKL at 52-65,
+    and 1.5-1.9x faster at 65-128 rows; on other CPUs either may win, hence the timing.
+    """
+    shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
+    torch.manual_seed(0)
+    totals = {"float": 0.0, "onednn_f32": 0.0}
+    with torch.inference_mode():
+        for shape in shapes:
+            weight = torch.randn(shape.out_features, shape.in_features) * 0.05
+            inputs = [torch.randn(n, shape.in_features) for n in rows]
+            runs = {}
+            for name in totals:
+                layer = Linear(shape.in_features, shape.out_features, bias=False)
+                layer.weight.data = weight.clone()
+                layer.pack(name)
+                runs[name] = _calls(layer, inputs)
+            best = best_of_interleaved(runs, reps)
+            for name in totals:
+                totals[name] += best[name] * shape.count
+    log.info(
+        "fp32 GEMM micro-benchmark (%d layer shapes, rows %s): oneDNN %.2f ms, MKL %.2f ms",
+        len(shapes),
+        list(rows),
+        totals["onednn_f32"] * 1e3,
+        totals["float"] * 1e3,
+    )
+    return totals["onednn_f32"] <= margin * totals["float"]
 
 
 def int8_beats_float(

@@ -15,6 +15,10 @@ machine's figures):
   model's own linear layers, each format at the activation dtype it would run with and the
   float path with the int8 copies it would keep (below); none on CUDA.
 - bf16 linears go through oneDNN with the weight reordered once when available, else F.linear.
+  Under quantization auto, fp32 linears go through oneDNN's fp32 GEMM (weight reordered
+  once) where a start-up timing of the model's shapes at prompt rows finds it 5% faster than
+  F.linear (MKL); quantization none and --deterministic (its batch invariance was measured
+  on F.linear) keep F.linear.
 - small-batch int8 (quantised checkpoint, quantization auto, weights not int8 already, the CPU
   kernels built): every linear also keeps a weight-only int8 copy, used for calls of up to
   `small_rows` rows; laid out for AMX tiles where the CPU has AMX-BF16 and the model runs in
@@ -34,12 +38,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.format_timing import int8_beats_float, measure_small_rows
+from runner.format_timing import int8_beats_float, measure_small_rows, onednn_f32_beats_float
 from runner.layers.linear import (
     Linear,
     LinearShape,
     default_int8_kernel,
     onednn_bf16_available,
+    onednn_f32_available,
     pack_linears,
 )
 
@@ -130,11 +135,13 @@ class Platform:
 
     device: torch.device
     dtype: torch.dtype
-    # Linear weight format: "float" (F.linear), "onednn" (prepacked bf16) or "int8".
+    # Linear weight format: "float" (F.linear), "onednn" (prepacked bf16), "onednn_f32"
+    # (prepacked fp32) or "int8".
     weight_format: str
     int8_kernel: str | None = None
     # The format of layers that stay float when the rest is int8 (see Linear.int8_inputs):
-    # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16, else "float".
+    # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16, else "onednn_f32"
+    # where it timed faster, else "float".
     float_format: str = "float"
     int8_reduce_range: bool = False
     # The layout of the weight-only int8 copies to try for few-row calls (None: none);
@@ -239,11 +246,13 @@ def select_platform(
     int8_faster: Callable[[torch.dtype, str], bool] | None = None,
     linears: Sequence[LinearShape] = (),
     deterministic: bool = False,
+    onednn_f32_faster: Callable[[], bool] | None = None,
 ) -> Platform:
     """Choose dtype and weight format for `device`. `linears` are the model's layer shapes
-    for the int8 micro-benchmark; `features` and `int8_faster` are injectable so tests can
-    force every branch on any machine. `deterministic` keeps one linear path for every
-    batch size (no small-batch int8 copies; runner/batch_invariance.py)."""
+    for the micro-benchmarks; `features`, `int8_faster` and `onednn_f32_faster` are
+    injectable so tests can force every branch on any machine. `deterministic` keeps one
+    linear path for every batch size (no small-batch int8 copies, F.linear for fp32;
+    runner/batch_invariance.py)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
@@ -262,6 +271,20 @@ def select_platform(
             else "dtype auto -> float32 (no native bf16 matmul on this CPU)"
         )
     float_format = "onednn" if chosen == torch.bfloat16 and onednn_bf16_available() else "float"
+    # Only under quantization auto (the serving default): `none` keeps F.linear, the exact
+    # reference path the transformers comparisons run on.
+    auto = quantization == "auto" and not deterministic
+    if chosen == torch.float32 and auto and onednn_f32_available():
+        faster = (
+            onednn_f32_faster()
+            if onednn_f32_faster is not None
+            else onednn_f32_beats_float(linears)
+        )
+        float_format = "onednn_f32" if faster else "float"
+        reasons.append(
+            f"fp32 linears -> {'oneDNN' if faster else 'F.linear (MKL)'} "
+            f"(oneDNN {'' if faster else 'not '}at least 5% faster at prompt rows)"
+        )
     # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
     # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
     # tokens on Zen 3. torch._int_mm accumulates in int32 at full range, but served 2.7x slower

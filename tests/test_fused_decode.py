@@ -9,7 +9,12 @@ import torch
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import batched_kernels
-from runner.layers.linear import Linear, onednn_bf16_available, pack_linears
+from runner.layers.linear import (
+    Linear,
+    onednn_bf16_available,
+    onednn_f32_available,
+    pack_linears,
+)
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, ROWS, WIDEN
@@ -100,6 +105,12 @@ def test_onednn_weights_fused():
     model = build(torch.bfloat16, fmt="onednn")
     assert equal_steps(model, torch.bfloat16, 6) == [ONEDNN]
     assert equal_steps(model, torch.bfloat16, 2) == [ROWS]
+
+
+@pytest.mark.skipif(not onednn_f32_available(), reason="this torch build has no oneDNN")
+def test_onednn_f32_weights_fused():
+    model = build(torch.float32, fmt="onednn_f32")
+    assert equal_steps(model, torch.float32, 6) == [ONEDNN]
 
 
 @pytest.mark.parametrize("kernel", ["dot", "widen"])

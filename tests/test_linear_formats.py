@@ -1,4 +1,4 @@
-"""Linear weight formats (float, oneDNN bf16, int8) against an fp32 reference, and the
+"""Linear weight formats (float, oneDNN bf16 and fp32, int8) against an fp32 reference, and the
 platform's choice of dtype and format from CPU flags injected here (every branch, any CPU).
 
 Tolerances (relative Frobenius error of the layer output vs fp32):
@@ -17,9 +17,11 @@ from torch import nn
 from runner.layers.linear import (
     INT8_KERNELS,
     Linear,
+    LinearShape,
     fbgemm_available,
     linear_shapes,
     onednn_bf16_available,
+    onednn_f32_available,
     pack_linears,
 )
 from runner.loaders.gguf_loader import GGUFModel
@@ -115,6 +117,21 @@ def test_bf16_linear_close_to_fp32(source, request):
         assert p.weight_format == "float"
 
 
+@pytest.mark.skipif(not onednn_f32_available(), reason="this torch build has no oneDNN")
+def test_onednn_f32_computes_what_float_does():
+    torch.manual_seed(0)
+    ref_layer = Linear(96, 160, bias=True)
+    fast = packed_copy(ref_layer, "onednn_f32")
+    assert fast.weight is None and fast._onednn.dtype == torch.float32
+    for rows in (1, 7, 130):  # one row, a few, a prompt chunk
+        x = torch.randn(2, rows, 96)
+        y, ref = fast(x), ref_layer(x)
+        assert y.shape == ref.shape and y.dtype == torch.float32
+        # The same fp32 products, summed in another order: rounding only.
+        assert rel_err(y, ref) < 1e-5
+    assert fast(torch.randn(3, 96, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_pack_checks_its_input():
     with pytest.raises(ValueError, match="weight format 'int4'"):
         Linear(4, 4).pack("int4")
@@ -157,12 +174,58 @@ def test_dtype_auto_follows_the_cpu_flags():
     assert (forced.dtype, forced.weight_format) == (torch.float32, "float")
 
 
+@pytest.mark.skipif(not onednn_f32_available(), reason="this torch build has no oneDNN")
+def test_fp32_linears_take_onednn_where_it_timed_faster():
+    asked = []
+
+    def timed(answer: bool):
+        return lambda: asked.append(answer) or answer
+
+    kw = dict(features=ZEN3)
+    won = select_platform(CPU, "auto", "auto", onednn_f32_faster=timed(True), **kw)
+    assert (won.dtype, won.weight_format, won.float_format) == (
+        torch.float32, "onednn_f32", "onednn_f32"
+    )  # fmt: skip
+    assert "fp32 linears -> oneDNN" in won.describe()
+    lost = select_platform(CPU, "auto", "auto", onednn_f32_faster=timed(False), **kw)
+    assert lost.weight_format == "float" and "not at least 5% faster" in lost.describe()
+    # The layers an int8 model leaves float take it too, where bf16 is not native.
+    int8 = select_platform(CPU, "auto", "auto", True, int8_faster=lambda *a: True,
+                           onednn_f32_faster=timed(True), **kw)  # fmt: skip
+    assert (int8.weight_format, int8.float_format) == ("int8", "onednn_f32")
+    assert asked == [True, False, True]
+    # bf16 models, quantization none (the exact reference path) and --deterministic (batch
+    # invariance measured on F.linear) never ask.
+    select_platform(CPU, "bfloat16", "auto", onednn_f32_faster=timed(True), **kw)
+    none = select_platform(CPU, "float32", "none", onednn_f32_faster=timed(True), **kw)
+    kept = select_platform(
+        CPU, "float32", "auto", deterministic=True, onednn_f32_faster=timed(True), **kw
+    )
+    assert none.weight_format == kept.weight_format == "float" and asked == [True, False, True]
+
+
+@pytest.mark.skipif(not onednn_f32_available(), reason="this torch build has no oneDNN")
+def test_the_fp32_gemm_timing_runs_both_paths_on_the_models_shapes(caplog):
+    import logging
+
+    from runner.format_timing import onednn_f32_beats_float
+
+    with caplog.at_level(logging.INFO, logger="headrace.platform"):
+        won = onednn_f32_beats_float([LinearShape(48, 32, True, 2)], rows=(3, 9), reps=1)
+    assert isinstance(won, bool)
+    line = next(r.getMessage() for r in caplog.records if "fp32 GEMM" in r.getMessage())
+    assert "rows [3, 9]" in line and "oneDNN" in line and "MKL" in line
+    # An impossible margin can never be met, a generous one always is.
+    assert not onednn_f32_beats_float([LinearShape(48, 32, True, 1)], rows=(3,), margin=0.0)
+    assert onednn_f32_beats_float([LinearShape(48, 32, True, 1)], rows=(3,), margin=1e6)
+
+
 @pytest.mark.parametrize("features", [AMX, ZEN3], ids=["amx", "zen3"])
 def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
     def faster(answer: bool):
         return lambda dtype, fmt: answer
 
-    kw = dict(features=features)
+    kw = dict(features=features, onednn_f32_faster=lambda: False)
     p = select_platform(CPU, "auto", "auto", True, int8_faster=faster(True), **kw)
     assert p.weight_format == "int8" and p.int8_kernel in INT8_KERNELS
     # fbgemm without VNNI needs 7-bit activations (int16 saturation); with VNNI it does not.
@@ -276,6 +339,8 @@ def test_int8_is_timed_against_the_float_format_with_the_copies_it_would_keep(mo
     seen = []
     monkeypatch.setattr(platform, "int8_beats_float", lambda *a: seen.append(a[4:]) or False)
     feats = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, vnni=True)
-    chosen = select_platform(torch.device("cpu"), "float32", "auto", True, features=feats)
+    chosen = select_platform(
+        torch.device("cpu"), "float32", "auto", True, features=feats, onednn_f32_faster=lambda: True
+    )
     assert seen == [("rows", "dot")]
     assert chosen.small_batch_int8 == "rows" and chosen.batched_int8 == "dot"

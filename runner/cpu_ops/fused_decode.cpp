@@ -22,7 +22,8 @@
 //   kRows     int8 rows, scales, bias          (int8_weight_linear)
 //   kAmx      AMX int8 tiles, scales, bias     (amx_int8_linear)
 //   kDot/kWiden  packed int8, scales, bias     (batched_int8_linear)
-//   kOnednn   oneDNN bf16 weight, bf16 bias    (mkldnn _linear_pointwise, inputs cast to bf16)
+//   kOnednn   oneDNN weight, bias (bf16 or fp32) (mkldnn _linear_pointwise, inputs cast to
+//             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
 
 #include <ATen/ATen.h>
@@ -54,7 +55,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             std::string_view, c10::List<std::optional<at::Scalar>>,
                             std::optional<std::string_view>)>();
-  const at::Tensor y = op.call(x.to(at::kBFloat16), w, optional_of(bias), "none",
+  const at::Tensor y = op.call(x.to(w.scalar_type()), w, optional_of(bias), "none",
                                c10::List<std::optional<at::Scalar>>(), "");
   return y.to(x.scalar_type());
 }

@@ -6,6 +6,9 @@ Formats (`Linear.pack(fmt)`):
 float    F.linear in the parameter's dtype (fp32 or bf16): the reference, exact vs transformers
 onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-BF16 kernels);
          inputs are cast to bf16 per call and outputs back to the activation dtype
+onednn_f32  fp32 weight in oneDNN's blocked layout: the same numbers as float through
+         oneDNN's own fp32 GEMM, which beat MKL's F.linear by 1.14-1.24x on prompt rows on
+         Zen 1 (AMD); chosen by a start-up timing (runner/format_timing.py)
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -35,7 +38,9 @@ from torch import nn
 
 from runner.layers.batched_int8 import BatchedInt8
 
-FORMATS = ("float", "onednn", "int8")
+FORMATS = ("float", "onednn", "onednn_f32", "int8")
+# The formats whose weight oneDNN holds, by the dtype it was reordered in.
+ONEDNN_DTYPES = {"onednn": torch.bfloat16, "onednn_f32": torch.float32}
 INT8_KERNELS = ("fbgemm", "int_mm")
 SMALL_BATCH_LAYOUTS = ("rows", "amx")
 
@@ -48,6 +53,16 @@ def onednn_bf16_available() -> bool:
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
         and bool(ops._is_mkldnn_bf16_supported())
+    )
+
+
+def onednn_f32_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (fp32 needs no CPU feature)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
     )
 
 
@@ -207,11 +222,12 @@ class Linear(nn.Linear):
         if fmt == "float":
             return
         w = self.weight.detach()
-        if fmt == "onednn":
-            # bf16 weights whatever the activations: inputs are cast per call.
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+        if fmt in ONEDNN_DTYPES:
+            # The format's dtype whatever the activations: inputs are cast per call.
+            dtype = ONEDNN_DTYPES[fmt]
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
             if self.bias is not None:
-                self._onednn_bias = self.bias.detach().to(torch.bfloat16)
+                self._onednn_bias = self.bias.detach().to(dtype)
         else:
             kernel = int8_kernel or default_int8_kernel()
             self._int8 = Int8Weight.quantize(w, kernel, reduce_range)
@@ -280,9 +296,10 @@ class Linear(nn.Linear):
             return y.view(*lead, y.shape[-1])
         if self.format == "float":
             return F.linear(x, self.weight, self.bias)
-        if self.format == "onednn":
+        if self.format in ONEDNN_DTYPES:
+            assert self._onednn is not None
             y = torch.ops.mkldnn._linear_pointwise(
-                x2.to(torch.bfloat16), self._onednn, self._onednn_bias, "none", [], ""
+                x2.to(self._onednn.dtype), self._onednn, self._onednn_bias, "none", [], ""
             ).to(x.dtype)
         else:
             assert self._int8 is not None

@@ -12,7 +12,7 @@ itself take those ops:
   `Linear` (LoRA wrappers keep the layer path);
 - a step of one query per request, in flattened order, for whose row count every linear
   (`Linear.kernel_for`) takes a kernel decode_layers has: the int8 "rows" or AMX copies,
-  the batched int8 copy, oneDNN bf16 or float weights (rows padded for `--deterministic`
+  the batched int8 copy, oneDNN (bf16 or fp32) or float weights (rows padded for `--deterministic`
   and the dynamic int8 format keep the layer path).
 
 The weights and kernel kinds for a row count are gathered once and kept (a step's lookup
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from runner.attention import AttentionMetadata
-from runner.layers.linear import Linear
+from runner.layers.linear import ONEDNN_DTYPES, Linear
 from runner.models.rope import RopeAt
 from runner.step_interrupt import StepInterrupt, StepInterrupted
 
@@ -57,7 +57,7 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
         b = m._batched
         assert b is not None
         return DOT if b.kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
-    if kernel == "onednn":
+    if kernel in ONEDNN_DTYPES:
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
     if kernel == "float":
         return DENSE, _slots(m.weight, m.bias)
