@@ -237,6 +237,17 @@ struct Widen {
 
 // ---- the register tile and the driver, shared by every variant ----------------------------
 
+// How far ahead of a full scale group's steps the weights are prefetched (0: not at all).
+// On Zen 1 (AVX2) the hardware prefetcher left a one-row dot call at ~10 GB/s of ~21; 2048
+// bytes ahead (32 steps) ran a sweep of SmolLM2's linears 1.23-1.46x faster at 1 row,
+// 1.13-1.25x at 2 and ~1.1x at 4, neutral at 8-32 (512, 1024, 3072 and 4096 were slower;
+// benchmarks/kernel_builds.py). AVX-512 builds are unmeasured, so off until they are:
+// HEADRACE_CPU_OPS_CFLAGS=-DHR_PREFETCH_BYTES=N builds another distance to compare.
+#ifndef HR_PREFETCH_BYTES
+#define HR_PREFETCH_BYTES (HR_W512 ? 0 : 2048)
+#endif
+constexpr int64_t kPrefetchBytes = HR_PREFETCH_BYTES;
+
 // "dot" scales activations per row and per group of kScaleSteps * 4 = 32 inputs (as llama.cpp's
 // activation blocks): one outlier then coarsens 32 inputs, not the whole row. Perplexity of
 // SmolLM2 as `quantization auto` serves it in bf16 (benchmarks/quality_int8.py, AMX masked):
@@ -287,6 +298,9 @@ inline void steps_fixed(const typename K::X* x, int64_t x_stride, int64_t s0, co
   const typename K::X* xp = x + s0 * 4;
 #pragma GCC unroll 8
   for (int s = 0; s < S; ++s) {
+    if constexpr (kPrefetchBytes > 0)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + s * kStepBytes + kPrefetchBytes),
+                   _MM_HINT_T0);
     typename K::W w[K::kNG][K::kW];
     for (int g = 0; g < K::kNG; ++g) K::load(wp + s * kStepBytes + g * kG * 4, w[g]);
 #pragma GCC unroll 8
@@ -345,6 +359,19 @@ struct QuantisesActivations<K, std::void_t<decltype(K::kQMax)>> : std::true_type
 template <class K>
 constexpr bool kGrouped = QuantisesActivations<K>::value;
 
+// One row with every group of a block in one pass. With K's kNG < kGroups a lone row read
+// each block kGroups / kNG times, each pass half of every line (the later passes from L1).
+template <class K>
+struct OneRow : K {
+  static constexpr int kNG = kGroups, kMB = 1;
+};
+
+// Whether OneRow<K>'s tile fits the vector registers (int32 and fp32 sums, weights, one
+// broadcast); the fp32 widen tiles would spill.
+template <class K>
+constexpr bool kOneRowFits =
+    kGrouped<K> && kGroups * (2 * K::kAcc + K::kW) + 1 <= (HR_W512 ? 32 : 16);
+
 template <class K, int MB>
 void tile_rows(int rows, const typename K::X* x, int64_t x_stride, const float* xs,
                int64_t k4n, const int8_t* block, int64_t g0, float* out) {
@@ -380,8 +407,13 @@ void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t
       const int64_t n0 = nb * kBlockN, valid = std::min<int64_t>(kBlockN, n_dim - n0);
       const int mb = static_cast<int>(std::min<int64_t>(K::kMB, rows - m0));
       const float* rs = xs ? xs + m0 * groups : nullptr;
-      for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
-        tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
+      if (kOneRowFits<K> && mb == 1) {
+        if constexpr (kOneRowFits<K>)
+          tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
+      } else {
+        for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
+          tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
+      }
       for (int m = 0; m < mb; ++m) {
         T* o = out + (m0 + m) * n_dim + n0;
         const float corr = row_corr ? row_corr[m0 + m] : 0.0f;
