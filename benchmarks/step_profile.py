@@ -32,7 +32,7 @@ from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
-from runner.layers.linear import Linear
+from runner.layers.linear import ONEDNN_DTYPES, Linear
 from runner.model_runner import ModelRunner
 from runner.models.fused_decode import FusedDecode
 from scheduling import SamplingParams
@@ -93,8 +93,8 @@ def weight_bytes(m: Linear, rows: int) -> int:
         return m._small.weight.numel() + m._small.scale.numel() * 4
     if kernel == "batched" and m._batched is not None:
         return m._batched.packed.numel() + m._batched.scale.numel() * 8
-    if kernel == "onednn":
-        return m.out_features * m.in_features * 2
+    if kernel in ONEDNN_DTYPES:
+        return m.out_features * m.in_features * ONEDNN_DTYPES[kernel].itemsize
     if kernel == "int8":
         return m.out_features * m.in_features
     return m.weight.numel() * m.weight.element_size()

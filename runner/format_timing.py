@@ -1,8 +1,7 @@
 """Start-up timings that choose a linear's format: oneDNN's fp32 GEMM against MKL's, int8
 against the float format, and up to how many rows the small-batch int8 copies serve
-(`small_rows`). runner/platform.py decides
-with them; runner/batched_rows.py and runner/cpu_prefill.py time their own choices with
-`best_of_interleaved`."""
+(`small_rows`). runner/platform.py decides with them; runner/batched_rows.py and
+runner/cpu_prefill.py time their own choices with `best_of_interleaved`."""
 
 from __future__ import annotations
 
@@ -59,12 +58,13 @@ def onednn_f32_beats_float(
     margin: float = 0.95,
 ) -> bool:
     """Micro-benchmark at start-up (~2 s on SmolLM2, most of it the LM head): the model's
-    linear shapes at prompt-chunk row counts, fp32 through F.linear (MKL) and through oneDNN's prepacked GEMM;
-    oneDNN must take `margin` of the time or less. Decode rows mostly take the int8 copies,
-    so prompt rows are what the float format is left to serve.
+    linear shapes at prompt-chunk row counts, fp32 through F.linear (MKL) and through
+    oneDNN's prepacked GEMM; oneDNN must take `margin` of the time or less. Decode rows
+    mostly take the int8 copies, so prompt rows are what the float format is left to serve.
 
     NOTE: on Zen 1 (AVX2, AMD) oneDNN ran the model's shapes at 64-72 GFLOPS, MKL at 52-65,
-    and 1.5-1.9x faster at 65-128 rows; on other CPUs either may win, hence the timing.
+    and 1.5-1.9x faster at 65-128 rows (1.3x at 1 row, 2.6x at 8 with the weights streaming
+    from memory); on other CPUs either may win, hence the timing.
     """
     shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
     torch.manual_seed(0)
