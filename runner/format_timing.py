@@ -51,6 +51,23 @@ def _sweep(
     return run
 
 
+def _forward_totals(
+    shapes: Sequence[LinearShape],
+    runs: Callable[[LinearShape, torch.Tensor], dict[str, Callable[[], None]]],
+    reps: int,
+) -> dict[str, float]:
+    """Seconds each variant's linears take in one forward: every shape's runs (built by
+    `runs` from one random weight) timed interleaved, best of `reps`, times its layer count."""
+    torch.manual_seed(0)
+    totals: dict[str, float] = {}
+    with torch.inference_mode():
+        for shape in shapes:
+            weight = torch.randn(shape.out_features, shape.in_features) * 0.05
+            for name, t in best_of_interleaved(runs(shape, weight), reps).items():
+                totals[name] = totals.get(name, 0.0) + t * shape.count
+    return totals
+
+
 def onednn_f32_beats_float(
     linears: Sequence[LinearShape] = (),
     rows: Sequence[int] = (64, 256),
@@ -67,21 +84,18 @@ def onednn_f32_beats_float(
     from memory); on other CPUs either may win, hence the timing.
     """
     shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
-    torch.manual_seed(0)
-    totals = {"float": 0.0, "onednn_f32": 0.0}
-    with torch.inference_mode():
-        for shape in shapes:
-            weight = torch.randn(shape.out_features, shape.in_features) * 0.05
-            inputs = [torch.randn(n, shape.in_features) for n in rows]
-            runs = {}
-            for name in totals:
-                layer = Linear(shape.in_features, shape.out_features, bias=False)
-                layer.weight.data = weight.clone()
-                layer.pack(name)
-                runs[name] = _calls(layer, inputs)
-            best = best_of_interleaved(runs, reps)
-            for name in totals:
-                totals[name] += best[name] * shape.count
+
+    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
+        inputs = [torch.randn(n, shape.in_features) for n in rows]
+        out = {}
+        for name in ("float", "onednn_f32"):
+            layer = Linear(shape.in_features, shape.out_features, bias=False)
+            layer.weight.data = weight.clone()
+            layer.pack(name)
+            out[name] = _calls(layer, inputs)
+        return out
+
+    totals = _forward_totals(shapes, runs, reps)
     log.info(
         "fp32 GEMM micro-benchmark (%d layer shapes, rows %s): oneDNN %.2f ms, MKL %.2f ms",
         len(shapes),
@@ -120,31 +134,25 @@ def int8_beats_float(
     a margin, keeps that near-tie from choosing int8.
     """
     shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
-    torch.manual_seed(0)
-    totals = {"float": 0.0, "int8": 0.0}
-    with torch.inference_mode():
-        for shape in shapes:
-            weight = torch.randn(shape.out_features, shape.in_features) * 0.05
-            layers = {}
-            for name, act in (("float", dtype), ("int8", int8_dtype)):
-                layer = Linear(shape.in_features, shape.out_features, bias=False,
-                               int8_inputs=shape.int8_inputs)  # fmt: skip
-                layer.weight.data = weight.to(act)
-                if name == "float":
-                    layer.pack(float_format, small_batch_int8=small_layout,
-                               batched_int8=batched_kernel)  # fmt: skip
-                    # The small copy serves one row, the batched (or AMX) one the rest.
-                    layer.small_rows = 64 if small_layout == "amx" else 1
-                    layer.batched_rows = 64
-                else:
-                    layer.pack("int8", float_format=float_format)
-                inputs = [torch.randn(n, shape.in_features, dtype=act) for n in rows]
-                layers[name] = (layer, inputs)
-            best = best_of_interleaved(
-                {name: _calls(layer, inputs) for name, (layer, inputs) in layers.items()}, reps
-            )
-            for name in totals:
-                totals[name] += best[name] * shape.count
+
+    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
+        out = {}
+        for name, act in (("float", dtype), ("int8", int8_dtype)):
+            layer = Linear(shape.in_features, shape.out_features, bias=False,
+                           int8_inputs=shape.int8_inputs)  # fmt: skip
+            layer.weight.data = weight.to(act)
+            if name == "float":
+                layer.pack(float_format, small_batch_int8=small_layout,
+                           batched_int8=batched_kernel)  # fmt: skip
+                # The small copy serves one row, the batched (or AMX) one the rest.
+                layer.small_rows = 64 if small_layout == "amx" else 1
+                layer.batched_rows = 64
+            else:
+                layer.pack("int8", float_format=float_format)
+            out[name] = _calls(layer, [torch.randn(n, shape.in_features, dtype=act) for n in rows])
+        return out
+
+    totals = _forward_totals(shapes, runs, reps)
     log.info(
         "int8 micro-benchmark (%d layer shapes, rows %s): int8 %.2f ms, %s %.2f ms per forward",
         len(shapes),

@@ -45,17 +45,6 @@ INT8_KERNELS = ("fbgemm", "int_mm")
 SMALL_BATCH_LAYOUTS = ("rows", "amx")
 
 
-def onednn_bf16_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear and a bf16-capable CPU."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-        and bool(ops._is_mkldnn_bf16_supported())
-    )
-
-
 def onednn_f32_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (fp32 needs no CPU feature)."""
     ops = torch.ops.mkldnn
@@ -64,6 +53,11 @@ def onednn_f32_available() -> bool:
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def onednn_bf16_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear and a bf16-capable CPU."""
+    return onednn_f32_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def fbgemm_available() -> bool:
