@@ -387,10 +387,10 @@ _ISA_SOURCES = (
     ],
 )
 def test_the_kernels_compile_for_cpu_kinds_other_than_this_one(march, defines, tmp_path):
-    # -march=native compiles only this CPU's branches. An AVX2-only machine never compiled
-    # the AVX512-BF16 ones, and a type test that took bf16 bits (uint16_t) for int16
-    # activations broke every AVX512-BF16 build for two sessions unseen (test suites there
-    # fell back to the reference). A syntax check per CPU kind costs ~13 s.
+    # -march=native compiles only this CPU's branches. A type test that took bf16 bits
+    # (uint16_t) for int16 activations broke every AVX512-BF16 build for two sessions
+    # unseen: every CI run since was on an AVX2-only machine, which never compiles them. A
+    # syntax check per CPU kind costs ~13 s.
     from pathlib import Path
 
     from torch.utils.cpp_extension import include_paths
