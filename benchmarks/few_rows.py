@@ -41,11 +41,12 @@ def main() -> None:
     loaded = LoadedModel.load(config)
     print(loaded.platform.describe() if loaded.platform else "no platform")
     layers = [m for m in loaded.model.modules() if isinstance(m, Linear) and m.batched_int8]
-    if not layers or any(m.weight is None for m in layers):
+    weights = [m.float_weight() for m in layers]
+    if not layers or any(w is None for w in weights):
         raise SystemExit("needs batched int8 copies on float weights (AVX2 or AVX-512, no AMX)")
-    for m in layers:
+    for m, w in zip(layers, weights, strict=True):
         if not m.has_small_batch_int8:
-            m.set_small_batch_int8(SmallBatchInt8.from_weight(m.weight.detach(), "rows"))
+            m.set_small_batch_int8(SmallBatchInt8.from_weight(w, "rows"))
     engine = Engine(config, loaded)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

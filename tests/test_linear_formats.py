@@ -123,6 +123,7 @@ def test_onednn_f32_computes_what_float_does():
     ref_layer = Linear(96, 160, bias=True)
     fast = packed_copy(ref_layer, "onednn_f32")
     assert fast.weight is None and fast._onednn.dtype == torch.float32
+    assert torch.equal(fast.float_weight(), ref_layer.weight)  # read back exactly
     for rows in (1, 7, 130):  # one row, a few, a prompt chunk
         x = torch.randn(2, rows, 96)
         y, ref = fast(x), ref_layer(x)

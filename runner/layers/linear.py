@@ -229,6 +229,14 @@ class Linear(nn.Linear):
         self.weight = None  # type: ignore[assignment]
         self.format = fmt
 
+    def float_weight(self) -> torch.Tensor | None:
+        """The [N, K] weight as floats where the format keeps them (oneDNN's reordered copy
+        read back in its dtype); None for int8, which kept only its integers."""
+        if self.format in ONEDNN_DTYPES:
+            assert self._onednn is not None
+            return self._onednn.to_dense()
+        return None if self.weight is None else self.weight.detach()
+
     @property
     def has_small_batch_int8(self) -> bool:
         return self._small is not None
