@@ -1,0 +1,198 @@
+"""The CPU's multiply-add peak, and how near the linears come to it.
+
+    python benchmarks/mac_peak.py [--seconds 0.5] [--threads N]
+
+First the peak: on every thread at once, eight independent chains of one instruction
+(inline assembly, built here with g++), in multiply-adds a second per core:
+  fma_ymm     fp32 FMA, 8 lanes            (oneDNN's and MKL's fp32 GEMM)
+  madd_ymm    int16 pairs into int32 + add (the AVX2 "dot" kernel)
+  mix_ymm     four of each, interleaved    (whether the two use different ports)
+  fma_zmm, dpbusd_zmm                      (AVX-512 and VNNI, where the CPU has them)
+Then one of SmolLM2's linears (576 -> 3072) through each path the engine can take, as a
+fraction of the peak of the instructions that path runs on: fp32 at prompt rows (oneDNN,
+MKL) and the int8 "dot" kernel at decode rows. A path near 1.0 has nothing left to gain
+from its kernel; only more multiply-adds a cycle (another instruction) would.
+
+RESULT gives the fractions first, then the peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machine import cpu_description
+
+_ZERO = "".join(f"vpxor %%xmm{i},%%xmm{i},%%xmm{i}\\n" for i in range(16))
+
+
+def _loop(name: str, body: list[str], zero: str = _ZERO) -> str:
+    """A C function running `body` n times; the accumulators start at zero, operands too."""
+    lines = "".join(f'"{line}\\n"' for line in body)
+    return f"""
+void {name}(long n) {{
+  __asm__ volatile("{zero}" "1:\\n" {lines} "dec %0\\n jnz 1b\\n"
+                   : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7",
+                     "xmm8","xmm9","xmm10","xmm11","xmm12","xmm13","xmm14","xmm15","cc");
+}}"""
+
+
+def _madd(acc: int, tmp: int) -> list[str]:
+    return [f"vpmaddwd %%ymm14,%%ymm15,%%ymm{tmp}", f"vpaddd %%ymm{tmp},%%ymm{acc},%%ymm{acc}"]
+
+
+# name: (C source, multiply-adds per iteration, lscpu flags it needs)
+KERNELS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "fma_ymm": (
+        _loop("fma_ymm", [f"vfmadd231ps %%ymm14,%%ymm15,%%ymm{i}" for i in range(8)]),
+        8 * 8,
+        ("avx2", "fma"),
+    ),
+    "madd_ymm": (
+        _loop("madd_ymm", [x for i in range(8) for x in _madd(i, 8 + i % 4)]),
+        8 * 16,
+        ("avx2",),
+    ),
+    "mix_ymm": (
+        _loop(
+            "mix_ymm",
+            [
+                x
+                for i in range(4)
+                for x in [*_madd(i, 8 + i), f"vfmadd231ps %%ymm14,%%ymm15,%%ymm{4 + i}"]
+            ],
+        ),
+        4 * 16 + 4 * 8,
+        ("avx2", "fma"),
+    ),
+    "fma_zmm": (
+        _loop("fma_zmm", [f"vfmadd231ps %%zmm14,%%zmm15,%%zmm{i}" for i in range(8)]),
+        8 * 16,
+        ("avx512f",),
+    ),
+    "dpbusd_zmm": (
+        _loop("dpbusd_zmm", [f"vpdpbusd %%zmm14,%%zmm15,%%zmm{i}" for i in range(8)]),
+        8 * 64,
+        ("avx512_vnni",),
+    ),
+}
+
+
+def build(workdir: Path) -> ctypes.CDLL:
+    src = workdir / "mac_peak.c"
+    src.write_text("\n".join(source for source, _, _ in KERNELS.values()))
+    lib = workdir / "mac_peak.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def peak(lib: ctypes.CDLL, name: str, macs: int, threads: int, seconds: float) -> float:
+    """Multiply-adds a second per core, every thread running the chains at once (ctypes
+    drops the GIL); the best of three runs."""
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.c_long]
+    n = 1_000_000
+    t = time.perf_counter()
+    fn(n)
+    n = max(n, int(n * seconds / (time.perf_counter() - t)))
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t = time.perf_counter()
+            list(pool.map(fn, [n] * threads))
+            best = min(best, time.perf_counter() - t)
+    return n * macs / best
+
+
+def time_call(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=0.5, help="per peak run")
+    ap.add_argument("--threads", type=int, default=0, help="default: torch's thread count")
+    args = ap.parse_args()
+    description = cpu_description()
+    print(description)
+    flags = set(
+        next((line for line in description.splitlines() if line.startswith("Flags")), "").split()
+    )
+
+    import torch
+
+    from runner.cpu_ops import load_cpu_ops
+    from runner.layers.linear import Linear, onednn_f32_available
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    peaks: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build(Path(tmp))
+        for name, (_, macs, needs) in KERNELS.items():
+            if all(f in flags for f in needs):
+                peaks[name] = peak(lib, name, macs, threads, args.seconds)
+    print(f"peak multiply-adds a second per core, {threads} threads at once:")
+    for name, value in peaks.items():
+        print(f"  {name:11s} {value / 1e9:7.2f} G")
+    fp32_peak = max(v for k, v in peaks.items() if k.startswith("fma"))
+
+    n, k = 3072, 576
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.05
+    paths: list[tuple[str, int, object, float]] = []
+    dense = Linear(k, n, bias=False)
+    dense.weight.data.copy_(w)
+    for rows in (256, 2048):
+        paths.append((f"mkl_fp32_r{rows}", rows, dense, fp32_peak))
+    if onednn_f32_available():
+        packed = Linear(k, n, bias=False)
+        packed.weight.data.copy_(w)
+        packed.pack("onednn_f32")
+        for rows in (256, 2048):
+            paths.append((f"onednn_fp32_r{rows}", rows, packed, fp32_peak))
+    kernels = (
+        dict(s.split(":") for s in torch.ops.headrace.batched_int8_kernels())
+        if (load_cpu_ops() is None)
+        else {}
+    )
+    if "dot" in kernels:
+        isa = kernels["dot"]
+        instruction = {"avx2_madd": "madd_ymm", "avx512_vnni": "dpbusd_zmm"}.get(isa, "")
+        dot_peak = peaks.get(instruction)
+        if dot_peak:
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            blocks = torch.ops.headrace.batched_int8_pack(q)
+            scale = torch.rand(n) * 0.01
+
+            def dot(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.headrace.batched_int8_linear(x, blocks, scale, None, n, "dot")
+
+            for rows in (8, 32):
+                paths.append((f"dot_{isa}_r{rows}", rows, dot, dot_peak))
+    print(f"linear {k} -> {n} (weights in cache after the first call), all {threads} threads:")
+    fractions = []
+    with torch.inference_mode():
+        for name, rows, fn, ref in paths:
+            x = torch.randn(rows, k)
+            seconds = time_call(lambda fn=fn, x=x: fn(x), reps=max(5, 4096 // rows))
+            rate = rows * n * k / seconds / threads
+            fractions.append(f"{name}_of_peak={rate / ref:.3f}")
+            print(f"  {name:22s} {rate / 1e9:7.2f} G a core = {rate / ref:.0%} of its peak")
+    figures = " ".join(f"{name}_g={value / 1e9:.2f}" for name, value in peaks.items())
+    print(f"RESULT {' '.join(fractions)} {figures} threads={threads}")
+
+
+if __name__ == "__main__":
+    main()
