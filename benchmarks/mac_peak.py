@@ -3,7 +3,7 @@
     python benchmarks/mac_peak.py [--seconds 0.5] [--threads N]
 
 First the peak: on every thread at once, eight independent chains of one instruction
-(inline assembly, built here with g++), in multiply-adds a second per core:
+(inline assembly, built here with gcc), in multiply-adds a second per core:
   fma_ymm     fp32 FMA, 8 lanes            (oneDNN's and MKL's fp32 GEMM)
   madd_ymm    int16 pairs into int32 + add (the AVX2 "dot" kernel)
   mix_ymm     four of each, interleaved    (whether the two use different ports)
@@ -23,6 +23,7 @@ import ctypes
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,7 +110,8 @@ def peak(lib: ctypes.CDLL, name: str, macs: int, threads: int, seconds: float) -
     return n * macs / best
 
 
-def time_call(fn, reps: int) -> float:
+def time_call(fn: Callable[[], object], reps: int) -> float:
+    """Best seconds of `reps` calls after a warm-up one."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -146,12 +148,14 @@ def main() -> None:
     print(f"peak multiply-adds a second per core, {threads} threads at once:")
     for name, value in peaks.items():
         print(f"  {name:11s} {value / 1e9:7.2f} G")
+    if "fma_ymm" not in peaks:
+        raise SystemExit("needs an x86 CPU with AVX2 and FMA")
     fp32_peak = max(v for k, v in peaks.items() if k.startswith("fma"))
 
     n, k = 3072, 576
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.05
-    paths: list[tuple[str, int, object, float]] = []
+    paths: list[tuple[str, int, Callable[[torch.Tensor], torch.Tensor], float]] = []
     dense = Linear(k, n, bias=False)
     dense.weight.data.copy_(w)
     for rows in (256, 2048):
@@ -164,7 +168,7 @@ def main() -> None:
             paths.append((f"onednn_fp32_r{rows}", rows, packed, fp32_peak))
     kernels = (
         dict(s.split(":") for s in torch.ops.headrace.batched_int8_kernels())
-        if (load_cpu_ops() is None)
+        if load_cpu_ops() is None
         else {}
     )
     if "dot" in kernels:
