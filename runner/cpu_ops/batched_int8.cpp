@@ -117,6 +117,14 @@ struct Dot {
 #elif !HR_W512 && defined(__AVX2__)
 #define HR_DOT 1
 constexpr const char* kDotIsa = "avx2_madd";
+// Rows a tile multiplies each widened weight vector into. Five row accumulator pairs, the
+// weights and a broadcast fill 13 of the 16 registers; the fp32 sums across groups live in
+// memory (touched once a group). Against 3 rows with those sums in registers, three A/B runs
+// on Zen 1: 1.03-1.11x at 4 rows, 1.02-1.07x at 8, 0.98-1.02x at 16-32 (rows 4 and 6 were
+// no better; kernel_builds.py --variant rows3=-DHR_DOT_ROWS=3).
+#ifndef HR_DOT_ROWS
+#define HR_DOT_ROWS 5
+#endif
 // s8 widened to s16; madd sums two s16 x s16 products into int32, which cannot saturate.
 // The activations are int16 (a step's 4 inputs are one 64-bit broadcast; built from 4 bytes
 // it took ~14 scalar instructions per row and step), so they keep 16 bits, not 8: a group of
@@ -130,7 +138,7 @@ struct Dot {
   using B = __m256i;
   static constexpr bool kOffset = false;
   static constexpr int kQMax = 32767;
-  static constexpr int kAcc = 2, kW = 2, kNG = 1, kMB = 3;
+  static constexpr int kAcc = 2, kW = 2, kNG = 1, kMB = HR_DOT_ROWS;
   static void zero(Acc* a) { a[0] = a[1] = _mm256_setzero_si256(); }
   static void fzero(FAcc* a) { a[0] = a[1] = _mm256_setzero_ps(); }
   static void load(const int8_t* p, W* w) {
