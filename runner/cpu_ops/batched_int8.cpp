@@ -298,8 +298,9 @@ inline void steps(const typename K::X* x, int64_t x_stride, int64_t s0, int64_t 
 // Keeps an accumulator's adds in step order ("v": any vector register, zmm16-31 included).
 // Integer vector adds associate, so GCC's reassociation turned an unrolled group of steps into
 // a tree of partial sums, the products parked on the stack until the tree summed them (42
-// vector moves to and from the stack in the 3-row AVX2 dot loop); pinned, that loop runs 1.09-1.17x faster at 4-32 rows
-// on Zen 1 (two runs of benchmarks/kernel_builds.py --variant nopin=-DHR_ACC_BARRIER=0).
+// vector moves to and from the stack in the 3-row AVX2 dot loop); pinned, that loop ran
+// 1.09-1.17x faster at 4-32 rows on Zen 1 (two runs of benchmarks/kernel_builds.py --variant
+// nopin=-DHR_ACC_BARRIER=0), and the 5-row tile needs it to keep its sums in registers.
 // Only here: in `steps` (the float "widen" kernels, no reassociation to undo) it made the
 // AVX2 widen kernel 1.3-1.5x slower.
 #ifndef HR_ACC_BARRIER
