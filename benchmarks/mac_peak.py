@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from machine import cpu_description
@@ -110,17 +111,6 @@ def peak(lib: ctypes.CDLL, name: str, macs: int, threads: int, seconds: float) -
     return n * macs / best
 
 
-def time_call(fn: Callable[[], object], reps: int) -> float:
-    """Best seconds of `reps` calls after a warm-up one."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=0.5, help="per peak run")
@@ -134,8 +124,9 @@ def main() -> None:
 
     import torch
 
-    from runner.cpu_ops import load_cpu_ops
-    from runner.layers.linear import Linear, onednn_f32_available
+    from runner.format_timing import best_of_interleaved
+    from runner.layers.batched_int8 import BatchedInt8, batched_kernels
+    from runner.layers.linear import Int8Weight, Linear, onednn_f32_available
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -155,45 +146,32 @@ def main() -> None:
     n, k = 3072, 576
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.05
-    paths: list[tuple[str, int, Callable[[torch.Tensor], torch.Tensor], float]] = []
-    dense = Linear(k, n, bias=False)
-    dense.weight.data.copy_(w)
-    for rows in (256, 2048):
-        paths.append((f"mkl_fp32_r{rows}", rows, dense, fp32_peak))
-    if onednn_f32_available():
-        packed = Linear(k, n, bias=False)
-        packed.weight.data.copy_(w)
-        packed.pack("onednn_f32")
+    # name: (rows, the call, the peak of the instruction it runs on)
+    paths: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor], float]] = {}
+    formats = ["float", "onednn_f32"] if onednn_f32_available() else ["float"]
+    for fmt in formats:
+        layer = Linear(k, n, bias=False)
+        layer.weight.data.copy_(w)
+        layer.pack(fmt)
+        library = "mkl" if fmt == "float" else "onednn"
         for rows in (256, 2048):
-            paths.append((f"onednn_fp32_r{rows}", rows, packed, fp32_peak))
-    kernels = (
-        dict(s.split(":") for s in torch.ops.headrace.batched_int8_kernels())
-        if load_cpu_ops() is None
-        else {}
-    )
-    if "dot" in kernels:
-        isa = kernels["dot"]
-        instruction = {"avx2_madd": "madd_ymm", "avx512_vnni": "dpbusd_zmm"}.get(isa, "")
-        dot_peak = peaks.get(instruction)
-        if dot_peak:
-            q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-            blocks = torch.ops.headrace.batched_int8_pack(q)
-            scale = torch.rand(n) * 0.01
-
-            def dot(x: torch.Tensor) -> torch.Tensor:
-                return torch.ops.headrace.batched_int8_linear(x, blocks, scale, None, n, "dot")
-
-            for rows in (8, 32):
-                paths.append((f"dot_{isa}_r{rows}", rows, dot, dot_peak))
+            paths[f"{library}_fp32_r{rows}"] = (rows, layer, fp32_peak)
+    isa = batched_kernels().get("dot", "")
+    dot_peak = peaks.get({"avx2_madd": "madd_ymm", "avx512_vnni": "dpbusd_zmm"}.get(isa, ""))
+    if dot_peak:
+        q, scale = Int8Weight.quantize_rows(w)
+        dot = BatchedInt8.from_rows(q, scale, "dot")
+        for rows in (8, 32):
+            paths[f"dot_{isa}_r{rows}"] = (rows, lambda x, dot=dot: dot(x, None), dot_peak)
     print(f"linear {k} -> {n} (weights in cache after the first call), all {threads} threads:")
-    fractions = []
+    runs = {name: partial(fn, torch.randn(rows, k)) for name, (rows, fn, _) in paths.items()}
     with torch.inference_mode():
-        for name, rows, fn, ref in paths:
-            x = torch.randn(rows, k)
-            seconds = time_call(lambda fn=fn, x=x: fn(x), reps=max(5, 4096 // rows))
-            rate = rows * n * k / seconds / threads
-            fractions.append(f"{name}_of_peak={rate / ref:.3f}")
-            print(f"  {name:22s} {rate / 1e9:7.2f} G a core = {rate / ref:.0%} of its peak")
+        seconds = best_of_interleaved(runs, rounds=16)
+    fractions = []
+    for name, (rows, _, ref) in paths.items():
+        rate = rows * n * k / seconds[name] / threads
+        fractions.append(f"{name}_of_peak={rate / ref:.3f}")
+        print(f"  {name:22s} {rate / 1e9:7.2f} G a core = {rate / ref:.0%} of its peak")
     figures = " ".join(f"{name}_g={value / 1e9:.2f}" for name, value in peaks.items())
     print(f"RESULT {' '.join(fractions)} {figures} threads={threads}")
 
