@@ -33,6 +33,7 @@ import torch
 from runner.format_timing import best_of_interleaved
 from runner.layers.batched_int8 import AUTO_KERNELS, FEW_ROW_ISAS, batched_kernels
 from runner.layers.linear import Linear
+from runner.layers.q4_blocks import Q4_KERNEL
 
 log = logging.getLogger("headrace.platform")
 
@@ -166,6 +167,8 @@ def measure_batched_rows(
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.batched_int8 is not None]
     small_rows = max((m.small_rows for m in layers if m.has_small_batch_int8), default=0)
     kernels = [k for k in candidates_kernels if k in batched_kernels()]
+    if not any(m.batched_int8.q4 is not None for m in layers):  # type: ignore[union-attr]
+        kernels = [k for k in kernels if k != Q4_KERNEL]  # no 4-bit blocks: it would be "dot"
     times: dict[int, dict[str, float]] = {}
     if layers and kernels:
         with torch.inference_mode():

@@ -15,9 +15,10 @@ from runner.layers.linear import (
     onednn_f32_available,
     pack_linears,
 )
+from runner.layers.q4_blocks import Q4_KERNEL, dequantize_blocks, q4_kernels, quantize_blocks
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
-from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, ROWS, WIDEN
+from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, Q4, ROWS, WIDEN
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is not None, reason="CPU kernels did not build")
 
@@ -27,7 +28,7 @@ BLOCK = 16
 
 def build(dtype: torch.dtype, head_dim: int = 64, bias: bool = False, qk_norm: bool = False,
           small_rows: int = 4, fmt: str = "float", layout: str = "rows",
-          batched: str | None = None) -> DecoderForCausalLM:  # fmt: skip
+          batched: str | None = None, grid4: bool = False) -> DecoderForCausalLM:  # fmt: skip
     torch.manual_seed(0)
     heads, kv = 4, 2
     cfg = ModelConfig("LlamaForCausalLM", 512, heads * head_dim, 320, 3, heads, kv, head_dim,
@@ -39,6 +40,10 @@ def build(dtype: torch.dtype, head_dim: int = 64, bias: bool = False, qk_norm: b
         for layer in model.layers:
             layer.input_layernorm.weight.add_(1.0)
             layer.post_attention_layernorm.weight.add_(1.0)
+        if grid4:  # as a Q4_1 GGUF's loader leaves the linears: on 4-bit blocks
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.weight.copy_(dequantize_blocks(*quantize_blocks(m.weight)))
     model = model.to(dtype)
     pack_linears(model, fmt, small_batch_int8=layout, batched_int8=batched)
     for m in model.modules():
@@ -120,6 +125,22 @@ def test_batched_int8_copies_fused(kernel):
     kinds = equal_steps(build(torch.bfloat16, batched=kernel), torch.bfloat16, 6)
     # Every layer takes the chosen kernel, the MLP's (int8_inputs False) too.
     assert kinds == ([DOT] if kernel == "dot" else [WIDEN])
+
+
+@pytest.mark.skipif(Q4_KERNEL not in q4_kernels(), reason="no 4-bit kernel (AVX2) here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_4_bit_blocks_fused(dtype):
+    model = build(dtype, batched="dot", grid4=True)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.batched_int8]
+    assert all(m.batched_int8.q4 is not None for m in linears)
+    for m in linears:
+        m.batched_int8.kernel = Q4_KERNEL
+    assert equal_steps(model, dtype, 6) == [Q4]
+    # A linear whose channels do not fill the 16-channel blocks keeps the layer path (the
+    # op reads N from the blocks).
+    o_proj = model.layers[1].self_attn.o_proj
+    o_proj.batched_int8.q4.out_features -= 1
+    assert model.fused_decode is not None and model.fused_decode.plan(5) is None  # not kept yet
 
 
 @pytest.mark.skipif(

@@ -50,9 +50,10 @@ SOURCES = (
     "vec_attention.cpp",
     "lora.cpp",
     "batched_int8.cpp",
+    "q4_linear.cpp",
     "fused_decode.cpp",
 )
-HEADERS = ("vec.h", "amx.h", "ops.h")
+HEADERS = ("vec.h", "amx.h", "ops.h", "act_quant.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # Appended to CFLAGS (and to the build key): `-mno-avx512f` builds the AVX2 paths on an
 # AVX-512 machine, which is how the tests cover both on one CPU.

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "act_quant.h"
 #include "vec.h"
 
 namespace {
@@ -260,7 +261,7 @@ constexpr int64_t kPrefetchBytes = HR_PREFETCH_BYTES;
 // activation blocks): one outlier then coarsens 32 inputs, not the whole row. Perplexity of
 // SmolLM2 as `quantization auto` serves it in bf16 (benchmarks/quality_int8.py, AMX masked):
 // per row +2.5% (over the +2% target), groups of 64 +2.2%, groups of 32 +1.7%.
-constexpr int64_t kScaleSteps = 8;
+constexpr int64_t kScaleSteps = headrace::kGroupWidth / 4;
 
 // Sums the R lanes of each channel (float or int32 accumulators of the same layout).
 template <class K, class A>
@@ -480,115 +481,12 @@ std::vector<std::string> batched_int8_kernels() {
   return out;
 }
 
-// x as fp32, padded with zeros to k4n * 4 columns.
-std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
-  const int64_t rows = x.size(0), k_dim = x.size(1);
-  std::vector<float> xf(rows * k4n * 4, 0.0f);
-  const at::Tensor xc = x.contiguous();
-  for (int64_t m = 0; m < rows; ++m) {
-    float* row = xf.data() + m * k4n * 4;
-    if (x.scalar_type() == at::kFloat) {
-      std::memcpy(row, xc.data_ptr<float>() + m * k_dim, k_dim * sizeof(float));
-    } else {
-      const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>() + m * k_dim;
-      for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xb[k]);
-    }
-  }
-  return xf;
-}
-
-// Symmetric per group of 32 inputs: q = round(x * kQMax / amax) (kQMax 127 for int8, 32767
-// for int16), rounded as the torch reference rounds (nearest even); with the u8 weights, 128 *
-// the group's sum of q is its offset correction. One scalar group (any multiple of 4 wide).
-template <typename Q, int kQMax>
-inline void quantise_group_scalar(const float* row, int64_t n, Q* q, float* scale, int32_t* corr) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(row[k]));
-  const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
-  *scale = amax / kQMax;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const float r = std::nearbyint(row[k] * inv);
-    const int v = static_cast<int>(std::min<float>(kQMax, std::max<float>(-kQMax, r)));
-    q[k] = static_cast<Q>(v);
-    sum += v;
-  }
-  if (corr) *corr = 128 * sum;
-}
-
-// The same for a whole row, full groups in vectors (the same products and rounding mode, so
-// the same integers as the scalar loop).
-template <typename Q, int kQMax>
-inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, float* scale,
-                         int32_t* corr) {
-  constexpr int64_t kWidth = kScaleSteps * 4;
-  for (int64_t j = 0; j < groups; ++j) {
-    const int64_t k0 = j * kWidth, n = std::min(width - k0, kWidth);
-    int32_t* cj = corr ? corr + j : nullptr;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (n == kWidth) {
-      const __m512 a = _mm512_loadu_ps(row + k0), b = _mm512_loadu_ps(row + k0 + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
-      scale[j] = amax / kQMax;
-      const __m512 vi = _mm512_set1_ps(inv);
-      const __m512i lo = _mm512_set1_epi32(-kQMax), hi = _mm512_set1_epi32(kQMax);
-      const __m512i qa = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a, vi))));
-      const __m512i qb = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(b, vi))));
-      if constexpr (sizeof(Q) == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), _mm512_cvtepi32_epi8(qb));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), _mm512_cvtepi32_epi16(qa));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + 16), _mm512_cvtepi32_epi16(qb));
-      }
-      if (cj) *cj = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-      continue;
-    }
-#elif defined(__AVX2__)
-    if (n == kWidth) {
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(row + k0 + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-      const float amax = _mm_cvtss_f32(m4);
-      const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
-      scale[j] = amax / kQMax;
-      const __m256 vi = _mm256_set1_ps(inv);
-      const __m256i lo = _mm256_set1_epi32(-kQMax), hi = _mm256_set1_epi32(kQMax);
-      __m256i sum = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
-        const __m256i qi = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
-        sum = _mm256_add_epi32(sum, qi);
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
-        for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<Q>(lanes[l]);
-      }
-      if (cj) {
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
-        int32_t t = 0;
-        for (int l = 0; l < 8; ++l) t += lanes[l];
-        *cj = 128 * t;
-      }
-      continue;
-    }
-#endif
-    quantise_group_scalar<Q, kQMax>(row + k0, n, q + k0, scale + j, cj);
-  }
-}
-
 template <class K, typename T>
 void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
               const float* bias, int64_t n_dim, at::Tensor& out) {
   using X = typename K::X;
   const int64_t rows = x.size(0), width = k4n * 4;
-  const std::vector<float> xf = padded_fp32(x, k4n);
+  const std::vector<float> xf = headrace::padded_fp32(x, k4n);
   std::vector<X> xq(rows * width);
   if constexpr (std::is_same_v<X, float>) {
     std::memcpy(xq.data(), xf.data(), xf.size() * sizeof(float));
@@ -607,7 +505,7 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
     const int64_t grain = std::max<int64_t>(1, 16384 / width);
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        quantise_row<X, K::kQMax>(xf.data() + m * width, width, groups, xq.data() + m * width,
+        headrace::quantise_row<X, K::kQMax>(xf.data() + m * width, width, groups, xq.data() + m * width,
                                   xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
       // The offset's share of every channel's sum, one scalar per row: subtracted once in
       // the epilogue rather than from each group's integers in the inner loop.

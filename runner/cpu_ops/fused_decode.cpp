@@ -22,6 +22,8 @@
 //   kRows     int8 rows, scales, bias          (int8_weight_linear)
 //   kAmx      AMX int8 tiles, scales, bias     (amx_int8_linear)
 //   kDot/kWiden  packed int8, scales, bias     (batched_int8_linear)
+//   kQ4       packed 4-bit blocks, scales, bias (q4_linear; N a multiple of its 16-channel
+//             blocks, so N is the packed blocks')
 //   kOnednn   oneDNN weight, bias (bf16 or fp32) (mkldnn _linear_pointwise, inputs cast to
 //             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
@@ -42,7 +44,7 @@ namespace {
 using namespace headrace::ops;
 
 constexpr int64_t kLinears = 4, kSlots = 3, kPerLayer = 2 + kLinears * kSlots;
-enum Kind : int64_t { kRows = 0, kAmx = 1, kDot = 2, kWiden = 3, kOnednn = 4, kDense = 5 };
+enum Kind : int64_t { kRows = 0, kAmx = 1, kDot = 2, kWiden = 3, kOnednn = 4, kDense = 5, kQ4 = 6 };
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
@@ -71,6 +73,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind) {
     case kWiden:
       return batched_int8_linear(x, w[0], w[1], optional_of(w[2]), w[1].numel(),
                                  kind == kDot ? "dot" : "widen");
+    case kQ4:
+      return q4_linear(x, w[0], w[1], optional_of(w[2]), w[0].size(0) * w[0].size(2));
     case kOnednn:
       return onednn_linear(x, w[0], w[1]);
     case kDense:

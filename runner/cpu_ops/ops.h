@@ -22,6 +22,10 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                                int64_t n_dim, const std::string& kernel);
 
+// q4_linear.cpp
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias, int64_t n_dim);
+
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);

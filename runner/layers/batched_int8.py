@@ -12,7 +12,8 @@ widen   int8 weights widened in registers: bf16 pairs (AVX512-BF16) or fp32 FMA
 
 Both read the same packed weight, so the kernel can be switched after packing: the start-up
 measurement (runner/batched_rows.py) times the `AUTO_KERNELS` on the model's own layers and
-keeps the fastest.
+keeps the fastest. A third, "q4", reads the checkpoint's 4-bit blocks where a layer has them
+(runner/layers/q4_blocks.py, a copy beside the int8 one) and "dot" where it does not.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
+from runner.layers.q4_blocks import Q4_KERNEL, Q4Blocks, q4_kernels
+
 BATCHED_KERNELS = ("dot", "widen")
 # The kernels the start-up measurement may choose: both are within the +2% perplexity target
 # on SmolLM2 (benchmarks/quality_int8.py; the per-layer figures are in docs/performance.md).
 # "dot" scales activations per group of 32 inputs: per row, as it first did, an outlier
 # channel coarsened the whole row and it cost +2.5%, so the MLP layers widened instead.
-AUTO_KERNELS = ("dot", "widen")
+AUTO_KERNELS = ("dot", "widen", Q4_KERNEL)
+# What "q4" runs on a layer without 4-bit blocks (the LM head of a Q8_0 embedding).
+Q4_FALLBACK = "dot"
 # The builds whose kernel multiplies activations as exactly as the small-batch copy (fp32, or
 # int16 per group of 32 inputs): only these may take a single stream's rows from it. VNNI
 # "dot" rounds activations to int8 and bf16 "widen" to 8 significant bits, within the target
@@ -40,7 +45,10 @@ def batched_kernels() -> dict[str, str]:
 
     if load_cpu_ops() is not None:
         return {}
-    return dict(entry.split(":", 1) for entry in torch.ops.headrace.batched_int8_kernels())
+    kernels = dict(entry.split(":", 1) for entry in torch.ops.headrace.batched_int8_kernels())
+    if Q4_FALLBACK in kernels:
+        kernels |= q4_kernels()
+    return kernels
 
 
 @dataclass(slots=True)
@@ -52,6 +60,8 @@ class BatchedInt8:
     scale: torch.Tensor  # [N] fp32
     out_features: int
     kernel: str
+    # The checkpoint's 4-bit blocks, for kernel "q4" (None where the weight is not on them).
+    q4: Q4Blocks | None = None
 
     @classmethod
     def from_rows(cls, q: torch.Tensor, scale: torch.Tensor, kernel: str) -> BatchedInt8:
@@ -67,6 +77,11 @@ class BatchedInt8:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
+        kernel = self.kernel
+        if kernel == Q4_KERNEL:
+            if self.q4 is not None:
+                return self.q4(x, bias)
+            kernel = Q4_FALLBACK
         return torch.ops.headrace.batched_int8_linear(
-            x, self.packed, self.scale, bias, self.out_features, self.kernel
+            x, self.packed, self.scale, bias, self.out_features, kernel
         )

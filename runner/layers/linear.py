@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.layers.batched_int8 import BatchedInt8
+from runner.layers.q4_blocks import Q4Blocks
 
 FORMATS = ("float", "onednn", "onednn_f32", "int8")
 # The formats whose weight oneDNN holds, by the dtype it was reordered in.
@@ -211,6 +212,7 @@ class Linear(nn.Linear):
         if batched_int8:
             q, scale = Int8Weight.quantize_rows(self.weight.detach())
             self._batched = BatchedInt8.from_rows(q, scale, batched_int8)
+            self._batched.q4 = Q4Blocks.from_weight(self.weight.detach())
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":

@@ -28,12 +28,14 @@ import torch
 from torch import nn
 
 from runner.attention import AttentionMetadata
+from runner.layers.batched_int8 import Q4_FALLBACK
 from runner.layers.linear import ONEDNN_DTYPES, Linear
+from runner.layers.q4_blocks import Q4_KERNEL
 from runner.models.rope import RopeAt
 from runner.step_interrupt import StepInterrupt, StepInterrupted
 
 # decode_layers' linear kinds (fused_decode.cpp's Kind).
-ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE = range(6)
+ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE, Q4 = range(7)
 _EMPTY = torch.empty(0)
 
 
@@ -56,7 +58,10 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
     if kernel == "batched":
         b = m._batched
         assert b is not None
-        return DOT if b.kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
+        if b.kernel == Q4_KERNEL and b.q4 is not None:
+            return (Q4, _slots(b.q4.packed, b.q4.scales, m.bias)) if b.q4.fits_blocks else None
+        kernel = Q4_FALLBACK if b.kernel == Q4_KERNEL else b.kernel
+        return DOT if kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
     if kernel in ONEDNN_DTYPES:
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
     if kernel == "float":
