@@ -13,7 +13,8 @@ run starts inside `small_rows`, the small copy gives those rows up.
 Where the kernel's activations are as exact as the small copy's (`FEW_ROW_ISAS`), it may
 take the copy's remaining rows too: of the splits at 0, 1, 2, 4, ... `small_rows` (copy up
 to it, kernel above), the one with the least total time over those row counts is kept; at 0
-the copy is dropped.
+the copy is dropped. The "q4" kernel (int8 activations) never takes those rows: they are split
+the same way between the copy and Q4_FALLBACK ("dot"), and "q4" serves from the next row.
 
 Prompt steps run up to the step's token budget (2048 rows by default). Where the kernel wins
 through the last candidate, one more point at the budget (the own format against the kept
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.format_timing import best_of_interleaved
-from runner.layers.batched_int8 import AUTO_KERNELS, FEW_ROW_ISAS, batched_kernels
+from runner.layers.batched_int8 import AUTO_KERNELS, FEW_ROW_ISAS, Q4_FALLBACK, batched_kernels
 from runner.layers.linear import Linear
 from runner.layers.q4_blocks import Q4_KERNEL
 
@@ -47,15 +48,21 @@ class BatchedChoice:
     batched_rows: int
     small_rows: int
     times: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Under "q4": the rows up to which Q4_FALLBACK serves in its place (above `small_rows`).
+    exact_rows: int = 0
 
     def describe(self) -> str:
         if self.kernel is None:
             return "batched int8 weights: not faster here, dropped"
         isa = batched_kernels().get(self.kernel, "?")
-        return (
+        said = (
             f"batched int8 weights ({self.kernel}, {isa}) for "
-            f"{self.small_rows + 1}-{self.batched_rows} rows"
+            f"{max(self.small_rows, self.exact_rows) + 1}-{self.batched_rows} rows"
         )
+        if self.exact_rows > self.small_rows:
+            exact = f"{Q4_FALLBACK}, {batched_kernels().get(Q4_FALLBACK, '?')}"
+            said += f" ({exact} for {self.small_rows + 1}-{self.exact_rows})"
+        return said
 
 
 def _sweep(
@@ -182,10 +189,13 @@ def measure_batched_rows(
                 if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
                     break
     kernel, batched_rows, small_rows = choose(times, kernels, small_rows, margin)
-    few_rows_exact = kernel is not None and batched_kernels()[kernel] in FEW_ROW_ISAS
-    if few_rows_exact and small_rows > 0:
+    # "q4" rounds activations to int8: a single stream's rows (those the small copy serves)
+    # stay on an exact kernel, the copy or Q4_FALLBACK, split as for a "dot" choice.
+    exact = Q4_FALLBACK if kernel == Q4_KERNEL else kernel
+    exact_rows = small_rows if kernel == Q4_KERNEL else 0
+    if exact is not None and batched_kernels()[exact] in FEW_ROW_ISAS and small_rows > 0:
         with torch.inference_mode():
-            small_rows = _split_few_rows(layers, dtype, kernel, small_rows, reps, times)
+            small_rows = _split_few_rows(layers, dtype, exact, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         with torch.inference_mode():
             paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}
@@ -201,6 +211,6 @@ def measure_batched_rows(
             m.set_batched_int8(None)
         else:
             assert m.batched_int8 is not None
-            m.batched_int8.kernel = kernel
+            m.batched_int8.kernel, m.batched_int8.exact_rows = kernel, exact_rows
             m.batched_rows = batched_rows
-    return BatchedChoice(kernel, batched_rows, small_rows, times)
+    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows)

@@ -14,7 +14,7 @@ import torch
 
 from runner.batched_rows import measure_batched_rows
 from runner.cpu_ops import load_cpu_ops
-from runner.layers.batched_int8 import Q4_FALLBACK, BatchedInt8, batched_kernels
+from runner.layers.batched_int8 import FEW_ROW_ISAS, Q4_FALLBACK, BatchedInt8, batched_kernels
 from runner.layers.linear import Int8Weight, Linear, pack_linears
 from runner.layers.q4_blocks import (
     Q4_KERNEL,
@@ -180,6 +180,38 @@ def test_the_measurement_offers_q4_only_where_some_layer_has_blocks(monkeypatch)
     pack_linears(model, "float", batched_int8="dot")
     measure_batched_rows(model, torch.float32, candidates=(8,), reps=1)
     assert Q4_KERNEL in seen[0]
+
+
+def test_a_single_streams_rows_stay_on_an_exact_kernel(monkeypatch):
+    import runner.batched_rows
+
+    # q4 fastest at every count, dot faster than the small copy: q4 still serves only past
+    # the copy's rows, which go to the copy or (where its activations are exact) dot.
+    ms = {"own": 10.0, "small": 6.0, "dot": 5.0, "widen": 9.0, Q4_KERNEL: 2.0}
+    monkeypatch.setattr(
+        runner.batched_rows, "best_of_interleaved",
+        lambda runs, reps: {p: ms[p] / 1e3 for p in runs},
+    )  # fmt: skip
+    layer = Linear(64, 48, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(on_grid(48, 64))
+    layer.pack("float", small_batch_int8="rows", batched_int8="dot")
+    layer.small_rows = 4
+    choice = measure_batched_rows(torch.nn.Sequential(layer), torch.float32, reps=1)
+    assert choice.kernel == Q4_KERNEL and choice.exact_rows == 4
+    b = layer.batched_int8
+    assert b.exact_rows == 4 and b.kernel_for(4) == Q4_FALLBACK and b.kernel_for(5) == Q4_KERNEL
+    exact_dot = batched_kernels()[Q4_FALLBACK] in FEW_ROW_ISAS
+    assert choice.small_rows == (0 if exact_dot else 4) == layer.small_rows
+    x = torch.randn(5, 64)
+    if exact_dot:  # one row: dot on the int8 copy; five: the blocks
+        assert layer.kernel_for(1) == "batched"
+        dot = torch.ops.headrace.batched_int8_linear(
+            x[:1], b.packed, b.scale, None, 48, Q4_FALLBACK
+        )
+        assert torch.equal(layer(x[:1]), dot)
+    assert torch.equal(layer(x), b.q4(x, None))
+    assert "dot" in choice.describe() and "5-" in choice.describe()
 
 
 def test_smollm2_decode_steps_run_its_own_4_bit_blocks(smollm, monkeypatch):

@@ -144,5 +144,9 @@ def test_stop_string_and_eos_end_requests(smollm):
 def test_cli_generate_offline(capsys):
     from daemon.service.cli import main
 
-    assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
+    # Float weights: the fast paths' start-up timings pick kernels whose sums differ in order,
+    # and this prompt's first token is a near-tie there (oneDNN fp32, which --quantization auto
+    # takes on Zen 1, answers "L'Étoile"; MKL fp32 and the int16 dot kernel answer "The").
+    args = ["generate", "What is the capital of France?", "--max-tokens", "12"]
+    assert main([*args, "--quantization", "none"]) == 0
     assert "Paris" in capsys.readouterr().out

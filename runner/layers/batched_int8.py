@@ -62,6 +62,9 @@ class BatchedInt8:
     kernel: str
     # The checkpoint's 4-bit blocks, for kernel "q4" (None where the weight is not on them).
     q4: Q4Blocks | None = None
+    # Under "q4", calls of at most this many rows run Q4_FALLBACK: a single stream's rows
+    # stay on a kernel as exact as the small copy (runner/batched_rows.py sets it).
+    exact_rows: int = 0
 
     @classmethod
     def from_rows(cls, q: torch.Tensor, scale: torch.Tensor, kernel: str) -> BatchedInt8:
@@ -75,13 +78,19 @@ class BatchedInt8:
         packed = torch.ops.headrace.batched_int8_pack(q)
         return cls(packed, scale.float().contiguous(), q.shape[0], kernel)
 
+    def kernel_for(self, rows: int) -> str:
+        """The kernel a call of `rows` rows runs: "q4" only with blocks and past
+        `exact_rows`, else Q4_FALLBACK in its place."""
+        if self.kernel != Q4_KERNEL:
+            return self.kernel
+        return Q4_KERNEL if self.q4 is not None and rows > self.exact_rows else Q4_FALLBACK
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
-        kernel = self.kernel
+        kernel = self.kernel_for(x.shape[0])
         if kernel == Q4_KERNEL:
-            if self.q4 is not None:
-                return self.q4(x, bias)
-            kernel = Q4_FALLBACK
+            assert self.q4 is not None
+            return self.q4(x, bias)
         return torch.ops.headrace.batched_int8_linear(
             x, self.packed, self.scale, bias, self.out_features, kernel
         )

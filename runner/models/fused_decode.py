@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from runner.attention import AttentionMetadata
-from runner.layers.batched_int8 import Q4_FALLBACK
 from runner.layers.linear import ONEDNN_DTYPES, Linear
 from runner.layers.q4_blocks import Q4_KERNEL
 from runner.models.rope import RopeAt
@@ -58,9 +57,10 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
     if kernel == "batched":
         b = m._batched
         assert b is not None
-        if b.kernel == Q4_KERNEL and b.q4 is not None:
+        kernel = b.kernel_for(rows)
+        if kernel == Q4_KERNEL:
+            assert b.q4 is not None
             return (Q4, _slots(b.q4.packed, b.q4.scales, m.bias)) if b.q4.fits_blocks else None
-        kernel = Q4_FALLBACK if b.kernel == Q4_KERNEL else b.kernel
         return DOT if kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
     if kernel in ONEDNN_DTYPES:
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
