@@ -7,11 +7,14 @@ First the peak: on every thread at once, eight independent chains of one instruc
   fma_ymm     fp32 FMA, 8 lanes            (oneDNN's and MKL's fp32 GEMM)
   madd_ymm    int16 pairs into int32 + add (the AVX2 "dot" kernel)
   mix_ymm     four of each, interleaved    (whether the two use different ports)
+  maddubs_ymm u8 x s8 pairs into int16 + add (32 multiplies an instruction)
+  q4_ymm      eight maddubs + add, then one madd to widen (the "q4" kernel's block of 32)
   fma_zmm, dpbusd_zmm                      (AVX-512 and VNNI, where the CPU has them)
 Then one of SmolLM2's linears (576 -> 3072) through each path the engine can take, as a
 fraction of the peak of the instructions that path runs on: fp32 at prompt rows (oneDNN,
-MKL) and the int8 "dot" kernel at decode rows. A path near 1.0 has nothing left to gain
-from its kernel; only more multiply-adds a cycle (another instruction) would.
+MKL), the int8 "dot" kernel at decode rows and the 4-bit "q4" kernel at both. A path near
+1.0 has nothing left to gain from its kernel; only more multiply-adds a cycle (another
+instruction) would.
 
 RESULT gives the fractions first, then the peaks.
 """
@@ -48,6 +51,10 @@ def _madd(acc: int, tmp: int) -> list[str]:
     return [f"vpmaddwd %%ymm14,%%ymm15,%%ymm{tmp}", f"vpaddd %%ymm{tmp},%%ymm{acc},%%ymm{acc}"]
 
 
+def _maddubs(acc: int, tmp: int) -> list[str]:
+    return [f"vpmaddubsw %%ymm14,%%ymm15,%%ymm{tmp}", f"vpaddw %%ymm{tmp},%%ymm{acc},%%ymm{acc}"]
+
+
 # name: (C source, multiply-adds per iteration, lscpu flags it needs)
 KERNELS: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "fma_ymm": (
@@ -71,6 +78,23 @@ KERNELS: dict[str, tuple[str, int, tuple[str, ...]]] = {
         ),
         4 * 16 + 4 * 8,
         ("avx2", "fma"),
+    ),
+    "maddubs_ymm": (
+        _loop("maddubs_ymm", [x for i in range(8) for x in _maddubs(i, 8 + i % 4)]),
+        8 * 32,
+        ("avx2",),
+    ),
+    "q4_ymm": (
+        _loop(
+            "q4_ymm",
+            [
+                *(x for i in range(8) for x in _maddubs(i % 4, 8 + i % 4)),
+                "vpmaddwd %%ymm13,%%ymm0,%%ymm12",
+                "vpaddd %%ymm12,%%ymm4,%%ymm4",
+            ],
+        ),
+        8 * 32,
+        ("avx2",),
     ),
     "fma_zmm": (
         _loop("fma_zmm", [f"vfmadd231ps %%zmm14,%%zmm15,%%zmm{i}" for i in range(8)]),
@@ -127,6 +151,7 @@ def main() -> None:
     from runner.format_timing import best_of_interleaved
     from runner.layers.batched_int8 import BatchedInt8, batched_kernels
     from runner.layers.linear import Int8Weight, Linear, onednn_f32_available
+    from runner.layers.q4_blocks import Q4Blocks, dequantize_blocks, quantize_blocks
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -163,6 +188,10 @@ def main() -> None:
         dot = BatchedInt8.from_rows(q, scale, "dot")
         for rows in (8, 32):
             paths[f"dot_{isa}_r{rows}"] = (rows, lambda x, dot=dot: dot(x, None), dot_peak)
+    blocks = Q4Blocks.from_weight(dequantize_blocks(*quantize_blocks(w)))
+    if blocks is not None and "q4_ymm" in peaks:
+        for rows in (8, 32, 256, 2048):
+            paths[f"q4_r{rows}"] = (rows, lambda x, b=blocks: b(x, None), peaks["q4_ymm"])
     print(f"linear {k} -> {n} (weights in cache after the first call), all {threads} threads:")
     runs = {name: partial(fn, torch.randn(rows, k)) for name, (rows, fn, _) in paths.items()}
     with torch.inference_mode():

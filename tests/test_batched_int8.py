@@ -257,6 +257,26 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
     assert len(calls) == 1
 
 
+def test_the_lm_head_is_not_timed_at_the_step_budget(monkeypatch):
+    # It sees one row per sequence, never a prompt's tokens.
+    import runner.batched_rows
+
+    seen: list[tuple[int, int]] = []
+
+    def fake(layers, dtype, rows, paths, reps):
+        seen.append((rows, len(layers)))
+        return {p: {"own": 10.0, "dot": 5.0, "widen": 9.0}[p] for p in paths}
+
+    monkeypatch.setattr(runner.batched_rows, "_time_paths", fake)
+    model = torch.nn.Module()
+    model.body, model.lm_head = Linear(64, 64), Linear(64, 128)
+    pack_linears(model, "float", batched_int8="dot")
+    choice = measure_batched_rows(
+        model, torch.float32, candidates=(8,), step_rows=64, candidates_kernels=("dot", "widen")
+    )
+    assert seen == [(8, 2), (64, 1)] and choice.batched_rows == 64
+
+
 @pytest.mark.parametrize("isa", ["avx2_madd", "avx512_vnni"])
 def test_the_small_copys_rows_split_where_the_total_time_is_least(monkeypatch, isa):
     # On AVX2 without VNNI the dot kernel beat the fp32-widening GEMV down to one row. A

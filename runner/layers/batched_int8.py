@@ -25,10 +25,11 @@ import torch
 from runner.layers.q4_blocks import Q4_KERNEL, Q4Blocks, q4_kernels
 
 BATCHED_KERNELS = ("dot", "widen")
-# The kernels the start-up measurement may choose: both are within the +2% perplexity target
-# on SmolLM2 (benchmarks/quality_int8.py; the per-layer figures are in docs/performance.md).
-# "dot" scales activations per group of 32 inputs: per row, as it first did, an outlier
-# channel coarsened the whole row and it cost +2.5%, so the MLP layers widened instead.
+# The kernels the start-up measurement may choose: all are within the +2% perplexity target
+# on SmolLM2 (benchmarks/quality_int8.py; the per-layer figures are in docs/performance.md;
+# "q4" as `auto` chose it on Zen 1: +0.30%). "dot" scales activations per group of 32
+# inputs: per row, as it first did, an outlier channel coarsened the whole row and it cost
+# +2.5%, so the MLP layers widened instead.
 AUTO_KERNELS = ("dot", "widen", Q4_KERNEL)
 # What "q4" runs on a layer without 4-bit blocks (the LM head of a Q8_0 embedding).
 Q4_FALLBACK = "dot"
