@@ -198,8 +198,9 @@ def measure_batched_rows(
             small_rows = _split_few_rows(layers, dtype, exact, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         # The LM head sees one row per sequence, never a prompt's tokens: timed at the budget
-        # it decided the point (under "q4", 2048 rows of dot on the 49152-row head of SmolLM2
-        # tied the sweep with oneDNN, which the layers that do see prompts ran 1.25x faster).
+        # it decided the point (Zen 1, "q4": with 2048 rows of dot on SmolLM2's 49152-row
+        # head the sweep tied oneDNN's, 7742 against 7778 ms; the other 120 linears alone
+        # ran 1.22x faster on q4, 5178 against 6322 ms).
         head = getattr(model, "lm_head", None)
         prompt_layers = [m for m in layers if m is not head] or layers
         with torch.inference_mode():

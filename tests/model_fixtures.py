@@ -43,6 +43,20 @@ def load_hf_smollm() -> torch.nn.Module:
     ).eval()
 
 
+def sixteen_chat_prompts(tokenizer) -> list[str]:  # type: ignore[no-untyped-def]
+    """16 chat prompts: 4 questions in 4 phrasings, so no two share a whole prefix."""
+    questions = ["the capital of France", "the boiling point of water", "a prime number",
+                 "the largest planet"]  # fmt: skip
+    asks = ["What is {}?", "Tell me {}.", "Please name {}.", "Do you know {}?"]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": a.format(q)}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+        for a in asks
+    ]
+
+
 def engine_for(loaded: LoadedModel, **cfg: object) -> Engine:
     cfg.setdefault("threads", 1)
     return Engine(EngineConfig(**cfg), loaded)  # type: ignore[arg-type]

@@ -342,19 +342,9 @@ def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monk
 
 
 def test_a_decode_step_of_16_requests_takes_the_batched_path(smollm, monkeypatch):
-    from model_fixtures import engine_for
+    from model_fixtures import engine_for, sixteen_chat_prompts
 
-    # 16 chat prompts: 4 questions in 4 phrasings, so no two prompts share a whole prefix.
-    questions = ["the capital of France", "the boiling point of water", "a prime number",
-                 "the largest planet"]  # fmt: skip
-    asks = ["What is {}?", "Tell me {}.", "Please name {}.", "Do you know {}?"]
-    prompts = [
-        smollm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": a.format(q)}], add_generation_prompt=True, tokenize=False
-        )
-        for q in questions
-        for a in asks
-    ]
+    prompts = sixteen_chat_prompts(smollm.tokenizer)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = [c.token_ids for c in engine_for(smollm).generate(prompts, params)]
     model = copy.deepcopy(smollm.model)

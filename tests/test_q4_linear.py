@@ -215,18 +215,9 @@ def test_a_single_streams_rows_stay_on_an_exact_kernel(monkeypatch):
 
 
 def test_smollm2_decode_steps_run_its_own_4_bit_blocks(smollm, monkeypatch):
-    from model_fixtures import engine_for
+    from model_fixtures import engine_for, sixteen_chat_prompts
 
-    questions = ["the capital of France", "the boiling point of water", "a prime number",
-                 "the largest planet"]  # fmt: skip
-    asks = ["What is {}?", "Tell me {}.", "Please name {}.", "Do you know {}?"]
-    prompts = [
-        smollm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": a.format(q)}], add_generation_prompt=True, tokenize=False
-        )
-        for q in questions
-        for a in asks
-    ]
+    prompts = sixteen_chat_prompts(smollm.tokenizer)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = [c.token_ids for c in engine_for(smollm).generate(prompts, params)]
     model = copy.deepcopy(smollm.model)

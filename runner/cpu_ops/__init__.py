@@ -12,6 +12,8 @@ torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementw
 torch.ops.headrace.lora_delta_(y, x, a, bt, rows, starts, slots, width)   (lora.cpp)
 torch.ops.headrace.batched_int8_pack(q) / batched_int8_linear(x, packed, scale, bias, n,
     kernel) / batched_int8_kernels()   (8-256 rows without AMX: "dot" or "widen")
+torch.ops.headrace.q4_pack(q, d, m) / q4_linear(x, packed, scales, bias, n) / q4_kernels()
+    (a GGUF's 4-bit blocks on AVX2 maddubs, int8 activations: q4_linear.cpp)
 torch.ops.headrace.decode_layers(x, weights, kv_caches, cos, sin, slots, tables, lens, ...)
     (every decoder layer of a few-row decode step in one call: fused_decode.cpp)
 ```
