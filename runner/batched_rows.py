@@ -2,7 +2,8 @@
 
 Every linear of the loaded model holds a `BatchedInt8` copy (runner/layers/batched_int8.py);
 this times, over all of the model's linears in turn (so the weights stream from memory as in
-a real step), at each candidate row count (decode steps' 8-64 and prompt chunks' 128-256:
+a real step; from `PROMPT_ROWS` one layer of each shape, the LM head left out), at each
+candidate row count (decode steps' 8-64 and prompt chunks' 128-256:
 where the float format is slow, prompts gain as much), the layer's own format, the
 small-batch copy where it serves that many rows, and each of `AUTO_KERNELS` (the kernels
 within the quality target) this build has. The kernel with the least total time is kept;
@@ -156,6 +157,28 @@ def _split_few_rows(
     return min([0, *counts], key=total)
 
 
+# From here on a call's rows are a prompt's: the step is compute bound and the LM head is
+# not in it (it sees one row per sequence).
+PROMPT_ROWS = 128
+
+
+def _prompt_layers(model: torch.nn.Module, layers: list[Linear]) -> list[Linear]:
+    """One layer of each weight shape, the LM head left out: what the prompt-row points time.
+
+    Compute bound, a layer of a shape speaks for its copies (each decoder layer has one of
+    each shape, so the shares hold), and a sweep is ~30x shorter: with the whole model a
+    one-thread start-up timed past a client's 180 s. The LM head decided the budget point
+    when it was in it (Zen 1, "q4": 2048 rows of dot on SmolLM2's 49152-row head tied the
+    sweep with oneDNN's, 7742 against 7778 ms; the other 120 linears alone ran 1.22x faster
+    on q4, 5178 against 6322 ms)."""
+    head = getattr(model, "lm_head", None)
+    shapes: dict[tuple[int, int], Linear] = {}
+    for m in layers:
+        if m is not head:
+            shapes.setdefault((m.out_features, m.in_features), m)
+    return list(shapes.values()) or layers
+
+
 def measure_batched_rows(
     model: torch.nn.Module,
     dtype: torch.dtype,
@@ -173,6 +196,7 @@ def measure_batched_rows(
     token budget) is timed last where the kernel won through the candidates (module doc)."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.batched_int8 is not None]
     small_rows = max((m.small_rows for m in layers if m.has_small_batch_int8), default=0)
+    prompt_layers = _prompt_layers(model, layers)
     kernels = [k for k in candidates_kernels if k in batched_kernels()]
     if not any(m.batched_int8.q4 is not None for m in layers):  # type: ignore[union-attr]
         kernels = [k for k in kernels if k != Q4_KERNEL]  # no 4-bit blocks: it would be "dot"
@@ -184,7 +208,8 @@ def measure_batched_rows(
                 if rows <= small_rows:
                     paths["small"] = (kernels[0], 0, small_rows)
                 paths |= {k: (k, rows, 0) for k in kernels}
-                times[rows] = _time_paths(layers, dtype, rows, paths, reps)
+                swept = layers if rows < PROMPT_ROWS else prompt_layers
+                times[rows] = _time_paths(swept, dtype, rows, paths, reps)
                 # More rows only add arithmetic: once nothing beats the own format, stop.
                 if min(times[rows][k] for k in kernels) >= margin * times[rows]["own"]:
                     break
@@ -197,12 +222,6 @@ def measure_batched_rows(
         with torch.inference_mode():
             small_rows = _split_few_rows(layers, dtype, exact, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
-        # The LM head sees one row per sequence, never a prompt's tokens: timed at the budget
-        # it decided the point (Zen 1, "q4": with 2048 rows of dot on SmolLM2's 49152-row
-        # head the sweep tied oneDNN's, 7742 against 7778 ms; the other 120 linears alone
-        # ran 1.22x faster on q4, 5178 against 6322 ms).
-        head = getattr(model, "lm_head", None)
-        prompt_layers = [m for m in layers if m is not head] or layers
         with torch.inference_mode():
             paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}
             times[step_rows] = _time_paths(prompt_layers, dtype, step_rows, paths, step_reps)
