@@ -51,6 +51,8 @@ class BatchedChoice:
     times: dict[int, dict[str, float]] = field(default_factory=dict)
     # Under "q4": the rows up to which Q4_FALLBACK serves in its place (above `small_rows`).
     exact_rows: int = 0
+    # The LM head's own `batched_rows` where it differs (0: it follows `batched_rows`).
+    head_rows: int = 0
 
     def describe(self) -> str:
         if self.kernel is None:
@@ -63,6 +65,8 @@ class BatchedChoice:
         if self.exact_rows > self.small_rows:
             exact = f"{Q4_FALLBACK}, {batched_kernels().get(Q4_FALLBACK, '?')}"
             said += f" ({exact} for {self.small_rows + 1}-{self.exact_rows})"
+        if self.head_rows:
+            said += f"; the LM head's up to {self.head_rows} rows"
         return said
 
 
@@ -162,6 +166,32 @@ def _split_few_rows(
 PROMPT_ROWS = 128
 
 
+def _head_rows(
+    head: Linear,
+    dtype: torch.dtype,
+    kernel: str,
+    candidates: Sequence[int],
+    reps: int,
+    times: dict[int, dict[str, float]],
+) -> int:
+    """Up to how many rows the LM head keeps its batched copy: the candidate below the first
+    (decode-sized) row count where its own format is faster, else 0 (no limit of its own).
+
+    The head sees one row per sequence, so only decode-sized counts matter, and its shape is
+    like no other layer's: on Zen 1 SmolLM2's Q8_0 head (49152 x 576, "dot" under "q4") beat
+    oneDNN fp32 at 8 and 16 rows (7.9 against 10.5 ms, 15.9 against 17.6) and lost from 32
+    (31.2 against 29.1 ms, 61.8 against 53.6 at 64): compute bound there, and int16 madd
+    multiplies no faster than FMA."""
+    counts = sorted(r for r in candidates if r < PROMPT_ROWS and r <= head.batched_rows)
+    for i, rows in enumerate(counts):
+        paths = {"head_own": (kernel, 0, 0), "head_batched": (kernel, rows, 0)}
+        timed = _time_paths([head], dtype, rows, paths, reps)
+        times[rows] = times.get(rows, {}) | timed
+        if timed["head_own"] < timed["head_batched"]:
+            return counts[i - 1] if i else rows // 2  # candidates double: the one below
+    return 0
+
+
 def _prompt_layers(model: torch.nn.Module, layers: list[Linear]) -> list[Linear]:
     """One layer of each weight shape, the LM head left out: what the prompt-row points time.
 
@@ -227,6 +257,12 @@ def measure_batched_rows(
             times[step_rows] = _time_paths(prompt_layers, dtype, step_rows, paths, step_reps)
         if times[step_rows][kernel] < margin * times[step_rows]["own"]:
             batched_rows = step_rows
+    head = getattr(model, "lm_head", None)
+    head_rows = 0
+    if kernel is not None and head in layers:
+        head.batched_rows = batched_rows
+        with torch.inference_mode():
+            head_rows = _head_rows(head, dtype, kernel, candidates, reps, times)
     for m in layers:
         if m.has_small_batch_int8:
             m.small_rows = small_rows
@@ -237,5 +273,5 @@ def measure_batched_rows(
         else:
             assert m.batched_int8 is not None
             m.batched_int8.kernel, m.batched_int8.exact_rows = kernel, exact_rows
-            m.batched_rows = batched_rows
-    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows)
+            m.batched_rows = head_rows if head_rows and m is head else batched_rows
+    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows, head_rows)

@@ -257,24 +257,34 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
     assert len(calls) == 1
 
 
-def test_the_lm_head_is_not_timed_at_the_step_budget(monkeypatch):
-    # It sees one row per sequence, never a prompt's tokens.
+@pytest.mark.parametrize("loses_from, head_rows", [(32, 16), (8, 4), (1 << 20, 0)])
+def test_the_lm_head_is_timed_alone_at_decode_rows(monkeypatch, loses_from, head_rows):
+    # It sees one row per sequence, never a prompt's tokens: it is left out at the step budget
+    # and timed alone at decode rows, where its shape may lose to its own format sooner.
     import runner.batched_rows
 
     seen: list[tuple[int, int]] = []
 
     def fake(layers, dtype, rows, paths, reps):
         seen.append((rows, len(layers)))
-        return {p: {"own": 10.0, "dot": 5.0, "widen": 9.0}[p] for p in paths}
+        ms = {"own": 10.0, "dot": 5.0, "widen": 9.0, "head_own": 10.0}
+        ms["head_batched"] = 11.0 if rows >= loses_from else 9.0
+        return {p: ms[p] for p in paths}
 
     monkeypatch.setattr(runner.batched_rows, "_time_paths", fake)
     model = torch.nn.Module()
     model.body, model.lm_head = Linear(64, 64), Linear(64, 128)
     pack_linears(model, "float", batched_int8="dot")
     choice = measure_batched_rows(
-        model, torch.float32, candidates=(8,), step_rows=64, candidates_kernels=("dot", "widen")
-    )
-    assert seen == [(8, 2), (64, 1)] and choice.batched_rows == 64
+        model, torch.float32, candidates=(8, 16, 32, 64), step_rows=256,
+        candidates_kernels=("dot", "widen"),
+    )  # fmt: skip
+    timed_alone = [(r, 1) for r in (8, 16, 32, 64) if r <= max(loses_from, 8)]
+    assert seen == [(8, 2), (16, 2), (32, 2), (64, 2), (256, 1), *timed_alone]
+    assert choice.batched_rows == 256 and choice.head_rows == head_rows
+    assert model.body.batched_rows == 256
+    assert model.lm_head.batched_rows == (head_rows or 256)
+    assert ("LM head's up to" in choice.describe()) == bool(head_rows)
 
 
 @pytest.mark.parametrize("isa", ["avx2_madd", "avx512_vnni"])
