@@ -36,33 +36,34 @@ inline std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
 }
 
 // Symmetric per group of 32 inputs: q = round(x * kQMax / amax) (kQMax 127 for int8, 32767
-// for int16), rounded as the torch reference rounds (nearest even); with the u8 weights, 128 *
-// the group's sum of q is its offset correction. One scalar group (any multiple of 4 wide).
+// for int16), rounded as the torch reference rounds (nearest even); `sum` (where not null) is
+// the group's sum of q, which a kernel with an offset on the other side needs. One scalar
+// group (any multiple of 4 wide).
 template <typename Q, int kQMax>
-inline void quantise_group_scalar(const float* row, int64_t n, Q* q, float* scale, int32_t* corr) {
+inline void quantise_group_scalar(const float* row, int64_t n, Q* q, float* scale, int32_t* sum) {
   float amax = 0.0f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(row[k]));
   const float inv = amax > 0.0f ? kQMax / amax : 0.0f;
   *scale = amax / kQMax;
-  int32_t sum = 0;
+  int32_t total = 0;
   for (int64_t k = 0; k < n; ++k) {
     const float r = std::nearbyint(row[k] * inv);
     const int v = static_cast<int>(std::min<float>(kQMax, std::max<float>(-kQMax, r)));
     q[k] = static_cast<Q>(v);
-    sum += v;
+    total += v;
   }
-  if (corr) *corr = 128 * sum;
+  if (sum) *sum = total;
 }
 
 // The same for a whole row, full groups in vectors (the same products and rounding mode, so
 // the same integers as the scalar loop).
 template <typename Q, int kQMax>
 inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, float* scale,
-                         int32_t* corr) {
+                         int32_t* sum) {
   constexpr int64_t kWidth = kGroupWidth;
   for (int64_t j = 0; j < groups; ++j) {
     const int64_t k0 = j * kWidth, n = std::min(width - k0, kWidth);
-    int32_t* cj = corr ? corr + j : nullptr;
+    int32_t* sj = sum ? sum + j : nullptr;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (n == kWidth) {
       const __m512 a = _mm512_loadu_ps(row + k0), b = _mm512_loadu_ps(row + k0 + 16);
@@ -80,7 +81,7 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, 
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), _mm512_cvtepi32_epi16(qa));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + 16), _mm512_cvtepi32_epi16(qb));
       }
-      if (cj) *cj = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      if (sj) *sj = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
       continue;
     }
 #elif defined(__AVX2__)
@@ -99,25 +100,25 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, 
       scale[j] = amax / kQMax;
       const __m256 vi = _mm256_set1_ps(inv);
       const __m256i lo = _mm256_set1_epi32(-kQMax), hi = _mm256_set1_epi32(kQMax);
-      __m256i sum = _mm256_setzero_si256();
+      __m256i total = _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
         const __m256i qi = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
-        sum = _mm256_add_epi32(sum, qi);
+        total = _mm256_add_epi32(total, qi);
         alignas(32) int32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
         for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<Q>(lanes[l]);
       }
-      if (cj) {
+      if (sj) {
         alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
         int32_t t = 0;
         for (int l = 0; l < 8; ++l) t += lanes[l];
-        *cj = 128 * t;
+        *sj = t;
       }
       continue;
     }
 #endif
-    quantise_group_scalar<Q, kQMax>(row + k0, n, q + k0, scale + j, cj);
+    quantise_group_scalar<Q, kQMax>(row + k0, n, q + k0, scale + j, sj);
   }
 }
 

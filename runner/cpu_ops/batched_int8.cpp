@@ -37,6 +37,7 @@
 
 #include "ops.h"
 #include "act_quant.h"
+#include "tile_driver.h"
 #include "vec.h"
 
 namespace {
@@ -423,34 +424,18 @@ void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t
          T* out) {
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
   const int64_t x_stride = k4n * 4;
-  // The work is (block, row tile) pairs, block by block, split into one contiguous run per
-  // thread: the first row tile of a block streams it from memory, the others find it in
-  // cache, and at most one block per thread boundary is read twice. Split by blocks alone,
-  // 3 or 9 blocks (192 and 576 channels) left a thread idle for a third or a ninth.
-  const int64_t tiles = (rows + K::kMB - 1) / K::kMB;
-  at::parallel_for(0, blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+  headrace::for_each_tile(blocks, rows, K::kMB, [&](int64_t nb, int64_t m0, int mb) {
     float sums[K::kMB * kBlockN];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / tiles, m0 = item % tiles * K::kMB;
-      const int8_t* block = packed + nb * k4n * kStepBytes;
-      const int64_t n0 = nb * kBlockN, valid = std::min<int64_t>(kBlockN, n_dim - n0);
-      const int mb = static_cast<int>(std::min<int64_t>(K::kMB, rows - m0));
-      const float* rs = xs ? xs + m0 * groups : nullptr;
-      if (kOneRowFits<K> && mb == 1) {
-        if constexpr (kOneRowFits<K>)
-          tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
-      } else {
-        for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
-          tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
-      }
-      for (int m = 0; m < mb; ++m) {
-        T* o = out + (m0 + m) * n_dim + n0;
-        const float corr = row_corr ? row_corr[m0 + m] : 0.0f;
-        for (int64_t c = 0; c < valid; ++c)
-          o[c] = static_cast<T>((sums[m * kBlockN + c] - corr) * scale[n0 + c] +
-                                (bias ? bias[n0 + c] : 0.0f));
-      }
+    const int8_t* block = packed + nb * k4n * kStepBytes;
+    const float* rs = xs ? xs + m0 * groups : nullptr;
+    if (kOneRowFits<K> && mb == 1) {
+      if constexpr (kOneRowFits<K>)
+        tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
+    } else {
+      for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
+        tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
     }
+    headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, row_corr, scale, bias, out);
   });
 }
 
@@ -507,13 +492,14 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
       for (int64_t m = begin; m < end; ++m)
         headrace::quantise_row<X, K::kQMax>(xf.data() + m * width, width, groups, xq.data() + m * width,
                                   xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
-      // The offset's share of every channel's sum, one scalar per row: subtracted once in
-      // the epilogue rather than from each group's integers in the inner loop.
+      // The offset's share of every channel's sum (128 * each group's sum of integers, by
+      // its scale), one scalar per row: subtracted once in the epilogue rather than from
+      // each group's integers in the inner loop.
       if (K::kOffset)
         for (int64_t m = begin; m < end; ++m) {
           float c = 0.0f;
           for (int64_t j = 0; j < groups; ++j) c += xc[m * groups + j] * xs[m * groups + j];
-          row_corr[m] = c;
+          row_corr[m] = 128.0f * c;
         }
     });
   }

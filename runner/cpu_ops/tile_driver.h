@@ -1,0 +1,49 @@
+// The loop the batched kernels (batched_int8.cpp, q4_linear.cpp) run their register tiles in,
+// and the store of a tile's sums.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace headrace {
+
+// fn(block, first_row, rows) for every (block of output channels, tile of up to `tile_rows`
+// rows) pair, block by block, split into one contiguous run per thread: the first row tile of
+// a block streams its weights from memory, the others find them in cache, and at most one
+// block per thread boundary is read twice. Split by blocks alone, 3 or 9 blocks (192 and 576
+// channels) left a thread idle for a third or a ninth.
+template <class Fn>
+void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, const Fn& fn) {
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m0 = item % tiles * tile_rows;
+      fn(item / tiles, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
+    }
+  });
+}
+
+// A tile's sums ([rows, block_n]) into out [.., n_dim] from (first_row, n0), the channels
+// below n_dim only, as (sum - shift[row]) * scale[channel] + bias[channel], each of the three
+// left out where null.
+template <typename T>
+void store_tile(const float* sums, int64_t block_n, int rows, int64_t first_row, int64_t n0,
+                int64_t n_dim, const float* shift, const float* scale, const float* bias,
+                T* out) {
+  const int64_t valid = std::min(block_n, n_dim - n0);
+  for (int m = 0; m < rows; ++m) {
+    T* o = out + (first_row + m) * n_dim + n0;
+    const float* s = sums + m * block_n;
+    const float sh = shift ? shift[first_row + m] : 0.0f;
+    for (int64_t c = 0; c < valid; ++c) {
+      float v = s[c] - sh;
+      if (scale) v *= scale[n0 + c];
+      if (bias) v += bias[n0 + c];
+      o[c] = static_cast<T>(v);
+    }
+  }
+}
+
+}  // namespace headrace
