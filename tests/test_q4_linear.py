@@ -57,8 +57,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_kernel_matches_the_blocks_matmul(dtype):
-    # Channels off the 16-channel blocks, one group and several, and a SmolLM2 shape.
-    for n_dim, k_dim in ((70, 64), (16, 32), (33, 96), (192, 576)):
+    # Channels off the 24-channel blocks, one group and several, and a SmolLM2 shape.
+    for n_dim, k_dim in ((70, 64), (24, 32), (33, 96), (192, 576)):
         w = on_grid(n_dim, k_dim)
         blocks = Q4Blocks.from_weight(w)
         assert blocks is not None and blocks.out_features == n_dim
@@ -108,17 +108,17 @@ def test_the_blocks_are_found_again_only_on_a_4_bit_grid():
 
 
 def test_pack_puts_two_inputs_in_a_byte():
-    q = torch.randint(0, 16, (18, 32), dtype=torch.uint8)
-    d, m = torch.rand(18, 1), torch.rand(18, 1)
+    q = torch.randint(0, 16, (30, 32), dtype=torch.uint8)
+    d, m = torch.rand(30, 1), torch.rand(30, 1)
     packed, scales = torch.ops.headrace.q4_pack(q, d, m)
-    assert packed.shape == (2, 4, 16, 4) and scales.shape == (2, 1, 2, 16)
-    padded = torch.zeros(32, 32, dtype=torch.uint8)
-    padded[:18] = q
-    steps = padded.view(2, 16, 4, 2, 4)  # block, channel, step pair, low/high, input
+    assert packed.shape == (2, 4, 24, 4) and scales.shape == (2, 1, 2, 24)
+    padded = torch.zeros(48, 32, dtype=torch.uint8)
+    padded[:30] = q
+    steps = padded.view(2, 24, 4, 2, 4)  # block, channel, step pair, low/high, input
     want = steps[..., 0, :] | (steps[..., 1, :] << 4)
     assert torch.equal(packed, want.permute(0, 2, 1, 3))
-    assert torch.equal(scales[0, 0, 0], d[:16, 0]) and torch.equal(scales[0, 0, 1], m[:16, 0])
-    assert torch.equal(scales[1, 0, 0, :2], d[16:, 0]) and not scales[1, 0, :, 2:].any()
+    assert torch.equal(scales[0, 0, 0], d[:24, 0]) and torch.equal(scales[0, 0, 1], m[:24, 0])
+    assert torch.equal(scales[1, 0, 0, :6], d[24:, 0]) and not scales[1, 0, :, 6:].any()
 
 
 def test_bad_calls_are_refused():

@@ -22,8 +22,9 @@
 //   kRows     int8 rows, scales, bias          (int8_weight_linear)
 //   kAmx      AMX int8 tiles, scales, bias     (amx_int8_linear)
 //   kDot/kWiden  packed int8, scales, bias     (batched_int8_linear)
-//   kQ4       packed 4-bit blocks, scales, bias (q4_linear; N a multiple of its 16-channel
-//             blocks, so N is the packed blocks')
+//   kQ4       packed 4-bit blocks, scales, bias (q4_linear)
+// Each linear's N comes from the model's shape (heads, head_dim, hidden, intermediate), not
+// from its weights, so a kernel whose blocks pad N needs no case of its own.
 //   kOnednn   oneDNN weight, bias (bf16 or fp32) (mkldnn _linear_pointwise, inputs cast to
 //             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
@@ -62,19 +63,19 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return y.to(x.scalar_type());
 }
 
-// x @ W^T (+ bias) through the kernel `kind` names, its weights in w[0..kSlots).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind) {
+// x @ W^T (+ bias), N outputs, through the kernel `kind` names, its weights in w[0..kSlots).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t n) {
   switch (kind) {
     case kRows:
       return int8_weight_linear(x, w[0], w[1], optional_of(w[2]));
     case kAmx:
-      return amx_int8_linear(x, w[0], w[1], optional_of(w[2]), w[1].numel());
+      return amx_int8_linear(x, w[0], w[1], optional_of(w[2]), n);
     case kDot:
     case kWiden:
-      return batched_int8_linear(x, w[0], w[1], optional_of(w[2]), w[1].numel(),
+      return batched_int8_linear(x, w[0], w[1], optional_of(w[2]), n,
                                  kind == kDot ? "dot" : "widen");
     case kQ4:
-      return q4_linear(x, w[0], w[1], optional_of(w[2]), w[0].size(0) * w[0].size(2));
+      return q4_linear(x, w[0], w[1], optional_of(w[2]), n);
     case kOnednn:
       return onednn_linear(x, w[0], w[1]);
     case kDense:
@@ -88,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds,
     at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+    double scale,
     const std::optional<at::Tensor>& stop) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
@@ -96,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: ", kPerLayer, " weights and ", kLinears,
               " kinds per layer, one KV cache per layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decode_layers: x [B, hidden]");
-  const int64_t rows = x_in.size(0);
+  const int64_t rows = x_in.size(0), hidden = x_in.size(1);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const uint8_t* stop_flag = nullptr;
   if (stop.has_value() && stop->defined()) {
@@ -121,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       add_rms_norm_(x, residual, w[0], eps);
       h = x;
     }
-    const at::Tensor qkv = linear(h, lin, kind[0]);
+    const at::Tensor qkv = linear(h, lin, kind[0], q_size + 2 * kv_size);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: QKV width of layer ", l);
     // Q and K rotate as one [B, H + KVH, D] view of the QKV rows, as the layer does.
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, head_dim});
@@ -131,10 +133,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     write_kv_(cache, qk.narrow(1, heads, kv_heads), v, slots);
     const at::Tensor attn =
         paged_decode_attention(qk.narrow(1, 0, heads), cache, block_tables, seq_lens, scale);
-    at::Tensor o = linear(attn.view({rows, q_size}), lin + kSlots, kind[1]);
+    at::Tensor o = linear(attn.view({rows, q_size}), lin + kSlots, kind[1], hidden);
     add_rms_norm_(o, residual, w[1], eps);
-    const at::Tensor gate_up = linear(o, lin + 2 * kSlots, kind[2]);
-    x = linear(silu_and_mul(gate_up), lin + 3 * kSlots, kind[3]);
+    const at::Tensor gate_up = linear(o, lin + 2 * kSlots, kind[2], 2 * intermediate);
+    TORCH_CHECK(gate_up.size(1) == 2 * intermediate, "decode_layers: gate/up width of layer ", l);
+    x = linear(silu_and_mul(gate_up), lin + 3 * kSlots, kind[3], hidden);
+    TORCH_CHECK(x.size(1) == hidden, "decode_layers: down width of layer ", l);
   }
   return {x, residual};
 }
@@ -145,7 +149,8 @@ TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, int[] kinds, Tensor[] kv_caches, Tensor cos, "
       "Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, int heads, "
-      "int kv_heads, int head_dim, float eps, float scale, Tensor? stop=None) -> (Tensor, Tensor)");
+      "int kv_heads, int head_dim, int intermediate, float eps, float scale, Tensor? stop=None) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -11,9 +11,9 @@
 // llama.cpp's Q4_1 x Q8_1 dot does; and they are half the bytes of int8.
 //
 //   q4_pack(q [N, K] uint8 0..15, d [N, K/32] fp32, m [N, K/32] fp32) -> (packed
-//     [ceil(N/16), K/8, 16, 4] uint8: per block of 16 channels and pair of steps t, channel
+//     [ceil(N/24), K/8, 24, 4] uint8: per block of 24 channels and pair of steps t, channel
 //     c's byte i holds input 8t + i in its low nibble and 8t + 4 + i in its high one;
-//     scales [ceil(N/16), K/32, 2, 16] fp32: a block's d then m per group), K a multiple of 32.
+//     scales [ceil(N/24), K/32, 2, 24] fp32: a block's d then m per group), K a multiple of 32.
 //   q4_linear(x [M, K] fp32|bf16, packed, scales, bias?, N) -> [M, N] x.dtype:
 //     y = x @ (d * q + m)^T + bias, x rounded per row and 32 inputs.
 //   q4_kernels() -> this build's kernel as "name:isa" (none without AVX2).
@@ -35,88 +35,126 @@
 
 namespace {
 
-constexpr int64_t kBlockN = 16;  // channels per packed block: two ymm of 8 int32 lanes
-constexpr int64_t kPairBytes = kBlockN * 4;  // one block's bytes for a pair of 4-input steps
-constexpr int64_t kBlockPairs = headrace::kGroupWidth / 8;  // step pairs per 32-input block
+// Channels per packed block: three ymm of 8 int32 lanes. A 2-row x 24-channel register tile
+// measured 1.08-1.12x a 4 x 16 one on Zen 1 (unpacked weights, both threads): each broadcast
+// of a row's 4 inputs feeds three maddubs instead of two.
+constexpr int64_t kVecs = 3;
+constexpr int64_t kBlockN = 8 * kVecs;
+constexpr int64_t kStepBytes = kBlockN * 4;  // one block's unpacked bytes for a 4-input step
+constexpr int64_t kPairBytes = kStepBytes;  // ... and packed bytes for a pair of steps
+constexpr int64_t kBlockPairs = headrace::kGroupWidth / 8;  // step pairs per 32-input group
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define HR_Q4 1
 
-// Rows a register tile multiplies each unpacked weight vector into: 2 int16 sums a row, the
-// two weight vectors, the nibble mask, a broadcast and a product (the fp32 sums across blocks
-// live in memory between folds). 3, 4 and 5 rows measured alike on Zen 1.
+// Rows a register tile multiplies each weight vector into: 3 int16 sums a row, three weight
+// vectors (and three more while unpacking nibbles), the mask and a broadcast fill 14 of 16
+// registers at 2; the fp32 sums across groups live in memory between folds.
 #ifndef HR_Q4_ROWS
-#define HR_Q4_ROWS 4
+#define HR_Q4_ROWS 2
 #endif
 constexpr int kRows = HR_Q4_ROWS;
 
+using Acc = __m256i[kVecs];
+
 // Keeps each int16 sum in a register, its adds in order (see batched_int8.cpp's `pin`).
 template <int MB>
-inline void pin(__m256i (&acc)[MB][2]) {
-  for (int m = 0; m < MB; ++m) __asm__("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
+inline void pin(Acc (&acc)[MB]) {
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < kVecs; ++v) __asm__("" : "+x"(acc[m][v]));
 }
 
 // One step (4 inputs) of MB rows: x points at the rows' 4 int8 inputs of this step.
 template <int MB>
-inline void step(const int8_t* x, int64_t x_stride, __m256i w0, __m256i w1,
-                 __m256i (&acc)[MB][2]) {
+inline void step(const int8_t* x, int64_t x_stride, const __m256i (&w)[kVecs], Acc (&acc)[MB]) {
   for (int m = 0; m < MB; ++m) {
     int32_t v;
     std::memcpy(&v, x + m * x_stride, 4);
     const __m256i b = _mm256_set1_epi32(v);
-    acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_maddubs_epi16(w0, b));
-    acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_maddubs_epi16(w1, b));
+    for (int i = 0; i < kVecs; ++i)
+      acc[m][i] = _mm256_add_epi16(acc[m][i], _mm256_maddubs_epi16(w[i], b));
   }
   pin<MB>(acc);
 }
 
-// MB rows x one block of 16 channels over all K: out[m * 16 + c].
+// A block's nibbles as one u8 a weight, step after step ([K/4, 24, 4]): what `tile` reads in
+// place of the packed block where a thread multiplies the block into more than one row tile,
+// so the nibbles are unpacked once a block rather than once a tile (Zen 1, both threads:
+// 1.04-1.07x at 4 x 16 tiles, and what makes 2-row tiles pay).
+void unpack_block(const uint8_t* block, int64_t width, uint8_t* out) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t t = 0; t < width / 8; ++t)
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256i r =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + t * kPairBytes) + v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * t * kStepBytes) + v,
+                          _mm256_and_si256(r, nib));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * t + 1) * kStepBytes) + v,
+                          _mm256_and_si256(_mm256_srli_epi16(r, 4), nib));
+    }
+}
+
+// MB rows x one block of 24 channels over all K: out[m * 24 + c]. `block` is packed, or
+// unpacked (`unpack_block`) with kUnpacked.
 // xs/xsum: per row and 32-input group, the activation scale and scale * sum of its integers.
-template <int MB>
+template <int MB, bool kUnpacked>
 void tile(const int8_t* x, int64_t x_stride, const float* xs, const float* xsum, int64_t groups,
           const uint8_t* block, const float* scales, float* out) {
-  __m256 f[MB][2];
-  for (int m = 0; m < MB; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  __m256 f[MB][kVecs];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < kVecs; ++v) f[m][v] = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t j = 0; j < groups; ++j) {
-    __m256i acc[MB][2];
-    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-    const uint8_t* wp = block + j * kBlockPairs * kPairBytes;
+    Acc acc[MB];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm256_setzero_si256();
     const int8_t* xp = x + j * headrace::kGroupWidth;
+    if constexpr (kUnpacked) {
+      const uint8_t* wp = block + j * 2 * kBlockPairs * kStepBytes;
+#pragma GCC unroll 8
+      for (int t = 0; t < 2 * kBlockPairs; ++t) {
+        const __m256i* in = reinterpret_cast<const __m256i*>(wp + t * kStepBytes);
+        const __m256i w[kVecs] = {_mm256_loadu_si256(in), _mm256_loadu_si256(in + 1),
+                                  _mm256_loadu_si256(in + 2)};
+        step<MB>(xp + t * 4, x_stride, w, acc);
+      }
+    } else {
+      const uint8_t* wp = block + j * kBlockPairs * kPairBytes;
 #pragma GCC unroll 4
-    for (int t = 0; t < kBlockPairs; ++t) {
-      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kPairBytes));
-      const __m256i r1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kPairBytes + 32));
-      step<MB>(xp + t * 8, x_stride, _mm256_and_si256(r0, nib), _mm256_and_si256(r1, nib), acc);
-      step<MB>(xp + t * 8 + 4, x_stride, _mm256_and_si256(_mm256_srli_epi16(r0, 4), nib),
-               _mm256_and_si256(_mm256_srli_epi16(r1, 4), nib), acc);
+      for (int t = 0; t < kBlockPairs; ++t) {
+        const __m256i* in = reinterpret_cast<const __m256i*>(wp + t * kPairBytes);
+        __m256i r[kVecs], w[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          r[v] = _mm256_loadu_si256(in + v);
+          w[v] = _mm256_and_si256(r[v], nib);
+        }
+        step<MB>(xp + t * 8, x_stride, w, acc);
+        for (int v = 0; v < kVecs; ++v) w[v] = _mm256_and_si256(_mm256_srli_epi16(r[v], 4), nib);
+        step<MB>(xp + t * 8 + 4, x_stride, w, acc);
+      }
     }
     // Per channel: sum(d q x) = d * scale * (int sum), and sum(m x) = m * scale * sum(q).
     const float* d = scales + j * 2 * kBlockN;
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-    const __m256 m0 = _mm256_loadu_ps(d + kBlockN), m1 = _mm256_loadu_ps(d + kBlockN + 8);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 s = _mm256_set1_ps(xs[m * groups + j]);
-      const __m256 c = _mm256_set1_ps(xsum[m * groups + j]);
-      const __m256 i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][0], ones));
-      const __m256 i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][1], ones));
-      f[m][0] = _mm256_fmadd_ps(m0, c, _mm256_fmadd_ps(i0, _mm256_mul_ps(d0, s), f[m][0]));
-      f[m][1] = _mm256_fmadd_ps(m1, c, _mm256_fmadd_ps(i1, _mm256_mul_ps(d1, s), f[m][1]));
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256 dv = _mm256_loadu_ps(d + 8 * v), mv = _mm256_loadu_ps(d + kBlockN + 8 * v);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 s = _mm256_set1_ps(xs[m * groups + j]);
+        const __m256 c = _mm256_set1_ps(xsum[m * groups + j]);
+        const __m256 i = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][v], ones));
+        f[m][v] = _mm256_fmadd_ps(mv, c, _mm256_fmadd_ps(i, _mm256_mul_ps(dv, s), f[m][v]));
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    _mm256_storeu_ps(out + m * kBlockN, f[m][0]);
-    _mm256_storeu_ps(out + m * kBlockN + 8, f[m][1]);
-  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(out + m * kBlockN + 8 * v, f[m][v]);
 }
 
-template <int MB>
+template <int MB, bool kUnpacked>
 void tile_rows(int rows, const int8_t* x, int64_t x_stride, const float* xs, const float* xsum,
                int64_t groups, const uint8_t* block, const float* scales, float* out) {
   if constexpr (MB > 0) {
-    if (rows == MB) return tile<MB>(x, x_stride, xs, xsum, groups, block, scales, out);
-    tile_rows<MB - 1>(rows, x, x_stride, xs, xsum, groups, block, scales, out);
+    if (rows == MB) return tile<MB, kUnpacked>(x, x_stride, xs, xsum, groups, block, scales, out);
+    tile_rows<MB - 1, kUnpacked>(rows, x, x_stride, xs, xsum, groups, block, scales, out);
   }
 }
 
@@ -151,11 +189,31 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   T* op = out.data_ptr<T>();
+  const int64_t tiles = (rows + kRows - 1) / kRows;
+  // Per thread: the block whose unpacked weights `unpacked` holds (-1: none yet).
+  struct Unpacked {
+    std::vector<uint8_t> bytes;
+    int64_t block = -1;
+  };
+  std::vector<Unpacked> unpacked(at::get_num_threads());
   headrace::for_each_tile(packed.size(0), rows, kRows, [&](int64_t nb, int64_t m0, int mb) {
     float sums[kRows * kBlockN];
-    tile_rows<kRows>(mb, xq.data() + m0 * width, width, xs.data() + m0 * groups,
-                     xsum.data() + m0 * groups, groups, pk + nb * (width / 8) * kPairBytes,
-                     sp + nb * groups * 2 * kBlockN, sums);
+    const uint8_t* block = pk + nb * (width / 8) * kPairBytes;
+    const int8_t* xm = xq.data() + m0 * width;
+    const float *xsm = xs.data() + m0 * groups, *xsumm = xsum.data() + m0 * groups;
+    const float* sm = sp + nb * groups * 2 * kBlockN;
+    Unpacked& u = unpacked[at::get_thread_num()];
+    // A block's first tile unpacks it where more tiles follow (on this thread, as the split
+    // runs blocks in order; a block split between threads is unpacked by each).
+    if (u.block != nb && m0 + kRows < rows) {
+      u.bytes.resize(width * kBlockN);
+      unpack_block(block, width, u.bytes.data());
+      u.block = nb;
+    }
+    if (u.block == nb)
+      tile_rows<kRows, true>(mb, xm, width, xsm, xsumm, groups, u.bytes.data(), sm, sums);
+    else
+      tile_rows<kRows, false>(mb, xm, width, xsm, xsumm, groups, block, sm, sums);
     headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, nullptr, nullptr, bias, op);
   });
 }
@@ -163,7 +221,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
 #define HR_Q4 0
 #endif
 
-// [N, G] fp32 d and m -> [ceil(N/16), G, 2, 16], zero padded: what a block's group reads.
+// [N, G] fp32 d and m -> [ceil(N/24), G, 2, 24], zero padded: what a block's group reads.
 at::Tensor block_major(const at::Tensor& d, const at::Tensor& mn, int64_t blocks) {
   const int64_t n_dim = d.size(0), groups = d.size(1);
   at::Tensor out = at::zeros({2, blocks * kBlockN, groups}, d.options());

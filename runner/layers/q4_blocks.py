@@ -20,7 +20,7 @@ import torch
 
 Q4_KERNEL = "q4"
 BLOCK = 32  # inputs per (d, m) pair, as Q4_1
-CHANNELS = 16  # output channels per packed block (the kernel's two 8-lane vectors)
+CHANNELS = 24  # output channels per packed block (the kernel's three 8-lane vectors)
 # How far off the 4-bit grid, in steps d, a weight may be and still count as on it: the
 # float the loader made of d * q + m, rounded to the model's dtype (bf16 keeps 8 bits: at
 # most ~0.03 d), is on it; weights that never were 4-bit are off by up to 0.5 d.
@@ -59,8 +59,8 @@ def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torc
 class Q4Blocks:
     """An [N, K] weight as packed 4-bit blocks and their (d, m) scales, for `q4_linear`."""
 
-    packed: torch.Tensor  # [ceil(N/16), K/8, 16, 4] uint8, two inputs a byte
-    scales: torch.Tensor  # [ceil(N/16), K/32, 2, 16] fp32: d then m
+    packed: torch.Tensor  # [ceil(N/24), K/8, 24, 4] uint8, two inputs a byte
+    scales: torch.Tensor  # [ceil(N/24), K/32, 2, 24] fp32: d then m
     out_features: int
 
     @classmethod
@@ -75,11 +75,6 @@ class Q4Blocks:
             return None
         packed, scales = torch.ops.headrace.q4_pack(q, d, m)
         return cls(packed, scales, w.shape[0])
-
-    @property
-    def fits_blocks(self) -> bool:
-        """Whether N fills whole 16-channel blocks (the fused decode op reads N from them)."""
-        return self.out_features % CHANNELS == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""

@@ -60,7 +60,7 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
         kernel = b.kernel_for(rows)
         if kernel == Q4_KERNEL:
             assert b.q4 is not None
-            return (Q4, _slots(b.q4.packed, b.q4.scales, m.bias)) if b.q4.fits_blocks else None
+            return Q4, _slots(b.q4.packed, b.q4.scales, m.bias)
         return DOT if kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
     if kernel in ONEDNN_DTYPES:
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
@@ -77,6 +77,7 @@ class FusedDecode:
         self.layers = list(layers)
         first = self.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
+        self.intermediate = self.layers[0].mlp.down_proj.in_features
         self.eps, self.scale = self.layers[0].input_layernorm.eps, first.scale
         self._plans: dict[int, tuple[list[torch.Tensor], list[int]] | None] = {}
 
@@ -155,6 +156,7 @@ class FusedDecode:
             self.heads,
             self.kv_heads,
             self.head_dim,
+            self.intermediate,
             self.eps,
             self.scale,
             stop.flag if stop is not None else None,
