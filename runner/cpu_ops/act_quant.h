@@ -101,12 +101,21 @@ inline void quantise_row(const float* row, int64_t width, int64_t groups, Q* q, 
       const __m256 vi = _mm256_set1_ps(inv);
       const __m256i lo = _mm256_set1_epi32(-kQMax), hi = _mm256_set1_epi32(kQMax);
       __m256i total = _mm256_setzero_si256();
+      __m256i qi[4];
       for (int i = 0; i < 4; ++i) {
-        const __m256i qi = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
-        total = _mm256_add_epi32(total, qi);
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
-        for (int l = 0; l < 8; ++l) q[k0 + 8 * i + l] = static_cast<Q>(lanes[l]);
+        qi[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi))));
+        total = _mm256_add_epi32(total, qi[i]);
+      }
+      // Narrowed in vectors (the packs work within 128-bit lanes; a permute puts the lanes
+      // back in order), not stored a value at a time.
+      const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
+      if constexpr (sizeof(Q) == 1) {
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), b);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), _mm256_permute4x64_epi64(w01, 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + 16), _mm256_permute4x64_epi64(w23, 0xD8));
       }
       if (sj) {
         alignas(32) int32_t lanes[8];
