@@ -166,10 +166,27 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
   for (int64_t j = 0; j < group; ++j)
     for (int i = 0; i < NV; ++i)
       (Vec::load(q + j * D + i * Vec::N) * Vec::set1(scale)).store(qs + j * D + i * Vec::N);
-  // Scores of all g heads, one pass over the keys.
+  // Scores of all g heads, one pass over the keys. Four keys at a time per head: four
+  // independent multiply-add chains and one reduction tree for their sums (one key at a
+  // time waited on its chain and its three-step reduction: ~2x slower on Zen 1).
   for_each_block<D>(k_cache, table, seq_len, kvh, kv_heads, block_size, true,
                     [&](const T* k, int64_t start, int64_t n) {
-                      for (int64_t t = 0; t < n; ++t, k += token_stride) {
+                      int64_t t = 0;
+                      for (; t + 4 <= n; t += 4, k += 4 * token_stride)
+                        for (int64_t j = 0; j < group; ++j) {
+                          const float* qj = qs + j * D;
+                          Vec acc[4];
+                          for (int r = 0; r < 4; ++r)
+                            acc[r] = Vec::load(qj) * Vec::load(k + r * token_stride);
+                          for (int i = 1; i < NV; ++i) {
+                            const Vec qv = Vec::load(qj + i * Vec::N);
+                            for (int r = 0; r < 4; ++r)
+                              acc[r] = Vec::fmadd(
+                                  qv, Vec::load(k + r * token_stride + i * Vec::N), acc[r]);
+                          }
+                          Vec::sum4(acc, all_scores.data() + j * padded + start + t);
+                        }
+                      for (; t < n; ++t, k += token_stride) {
                         Vec kv[NV];
                         for (int i = 0; i < NV; ++i) kv[i] = Vec::load(k + i * Vec::N);
                         for (int64_t j = 0; j < group; ++j) {

@@ -103,6 +103,10 @@ struct Vec {
     return {_mm512_mul_ps(r, _mm512_fnmadd_ps(v, r, _mm512_set1_ps(2.0f)))};
   }
   float sum() const { return _mm512_reduce_add_ps(v); }
+  // The sums of four vectors into out[0..4).
+  static void sum4(const Vec (&a)[4], float* out) {
+    for (int i = 0; i < 4; ++i) out[i] = a[i].sum();
+  }
   float max() const { return _mm512_reduce_max_ps(v); }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -167,6 +171,13 @@ struct Vec {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  }
+  // The sums of four vectors into out[0..4): one hadd tree for the four, not three
+  // dependent steps each.
+  static void sum4(const Vec (&a)[4], float* out) {
+    const __m256 ab = _mm256_hadd_ps(a[0].v, a[1].v), cd = _mm256_hadd_ps(a[2].v, a[3].v);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: a, b, c, d partial sums
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
   }
   float max() const {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
