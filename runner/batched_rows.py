@@ -22,6 +22,10 @@ through the last candidate, one more point at the budget (the own format against
 kernel only, at the most rows a call can have, so a few repetitions suffice) decides whether
 it serves every row count up to it: between 256 and 2048 rows the dot kernel's share of
 oneDNN's time holds at 0.66-0.76 on Zen 5, so the two ends speak for the rows between.
+
+Last, the LM head (one row per sequence, a shape like no other layer's) is timed alone at the
+decode-sized candidates, its batched copy against its own format, and keeps the copy only up
+to the last count where the copy is faster (`_head_rows`).
 """
 
 from __future__ import annotations
