@@ -424,18 +424,20 @@ void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t
          T* out) {
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
   const int64_t x_stride = k4n * 4;
-  headrace::for_each_tile(blocks, rows, K::kMB, [&](int64_t nb, int64_t m0, int mb) {
-    float sums[K::kMB * kBlockN];
-    const int8_t* block = packed + nb * k4n * kStepBytes;
-    const float* rs = xs ? xs + m0 * groups : nullptr;
-    if (kOneRowFits<K> && mb == 1) {
-      if constexpr (kOneRowFits<K>)
-        tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
-    } else {
-      for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
-        tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
-    }
-    headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, row_corr, scale, bias, out);
+  headrace::for_each_tile(blocks, rows, K::kMB, [&] {
+    return [&](int64_t nb, int64_t m0, int mb) {
+      float sums[K::kMB * kBlockN];
+      const int8_t* block = packed + nb * k4n * kStepBytes;
+      const float* rs = xs ? xs + m0 * groups : nullptr;
+      if (kOneRowFits<K> && mb == 1) {
+        if constexpr (kOneRowFits<K>)
+          tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
+      } else {
+        for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
+          tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
+      }
+      headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, row_corr, scale, bias, out);
+    };
   });
 }
 

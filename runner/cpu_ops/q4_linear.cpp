@@ -36,8 +36,9 @@
 namespace {
 
 // Channels per packed block: three ymm of 8 int32 lanes. A 2-row x 24-channel register tile
-// measured 1.08-1.12x a 4 x 16 one on Zen 1 (unpacked weights, both threads): each broadcast
-// of a row's 4 inputs feeds three maddubs instead of two.
+// on unpacked weights ran 1.06-1.07x a 4 x 16 one on packed weights in this op on Zen 1 (the
+// 4 SmolLM2 shapes, 2048 rows, both threads): each broadcast of a row's 4 inputs feeds three
+// maddubs instead of two.
 constexpr int64_t kVecs = 3;
 constexpr int64_t kBlockN = 8 * kVecs;
 constexpr int64_t kStepBytes = kBlockN * 4;  // one block's unpacked bytes for a 4-input step
@@ -79,8 +80,8 @@ inline void step(const int8_t* x, int64_t x_stride, const __m256i (&w)[kVecs], A
 
 // A block's nibbles as one u8 a weight, step after step ([K/4, 24, 4]): what `tile` reads in
 // place of the packed block where a thread multiplies the block into more than one row tile,
-// so the nibbles are unpacked once a block rather than once a tile (Zen 1, both threads:
-// 1.04-1.07x at 4 x 16 tiles, and what makes 2-row tiles pay).
+// so the nibbles are unpacked once a block rather than once a tile (what makes 2-row tiles
+// pay: a stand-alone copy of the loop on Zen 1 ran 1.03-1.09x with it at 4 x 16 tiles).
 void unpack_block(const uint8_t* block, int64_t width, uint8_t* out) {
   const __m256i nib = _mm256_set1_epi8(0x0F);
   for (int64_t t = 0; t < width / 8; ++t)
@@ -114,8 +115,8 @@ void tile(const int8_t* x, int64_t x_stride, const float* xs, const float* xsum,
 #pragma GCC unroll 8
       for (int t = 0; t < 2 * kBlockPairs; ++t) {
         const __m256i* in = reinterpret_cast<const __m256i*>(wp + t * kStepBytes);
-        const __m256i w[kVecs] = {_mm256_loadu_si256(in), _mm256_loadu_si256(in + 1),
-                                  _mm256_loadu_si256(in + 2)};
+        __m256i w[kVecs];
+        for (int v = 0; v < kVecs; ++v) w[v] = _mm256_loadu_si256(in + v);
         step<MB>(xp + t * 4, x_stride, w, acc);
       }
     } else {
@@ -189,32 +190,29 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   T* op = out.data_ptr<T>();
-  const int64_t tiles = (rows + kRows - 1) / kRows;
-  // Per thread: the block whose unpacked weights `unpacked` holds (-1: none yet).
-  struct Unpacked {
-    std::vector<uint8_t> bytes;
-    int64_t block = -1;
-  };
-  std::vector<Unpacked> unpacked(at::get_num_threads());
-  headrace::for_each_tile(packed.size(0), rows, kRows, [&](int64_t nb, int64_t m0, int mb) {
-    float sums[kRows * kBlockN];
-    const uint8_t* block = pk + nb * (width / 8) * kPairBytes;
-    const int8_t* xm = xq.data() + m0 * width;
-    const float *xsm = xs.data() + m0 * groups, *xsumm = xsum.data() + m0 * groups;
-    const float* sm = sp + nb * groups * 2 * kBlockN;
-    Unpacked& u = unpacked[at::get_thread_num()];
-    // A block's first tile unpacks it where more tiles follow (on this thread, as the split
-    // runs blocks in order; a block split between threads is unpacked by each).
-    if (u.block != nb && m0 + kRows < rows) {
-      u.bytes.resize(width * kBlockN);
-      unpack_block(block, width, u.bytes.data());
-      u.block = nb;
-    }
-    if (u.block == nb)
-      tile_rows<kRows, true>(mb, xm, width, xsm, xsumm, groups, u.bytes.data(), sm, sums);
-    else
-      tile_rows<kRows, false>(mb, xm, width, xsm, xsumm, groups, block, sm, sums);
-    headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, nullptr, nullptr, bias, op);
+  headrace::for_each_tile(packed.size(0), rows, kRows, [&] {
+    // This run's unpacked block and which block it is (-1: none yet).
+    return [&, unpacked = std::vector<uint8_t>(), unpacked_block = int64_t{-1}](
+               int64_t nb, int64_t m0, int mb) mutable {
+      float sums[kRows * kBlockN];
+      const uint8_t* block = pk + nb * (width / 8) * kPairBytes;
+      const int8_t* xm = xq.data() + m0 * width;
+      const float *xsm = xs.data() + m0 * groups, *xsumm = xsum.data() + m0 * groups;
+      const float* sm = sp + nb * groups * 2 * kBlockN;
+      // A block's first tile in this run unpacks it where more of its tiles follow (a block
+      // split between two runs is unpacked by each).
+      if (unpacked_block != nb && m0 + kRows < rows) {
+        unpacked.resize(width * kBlockN);
+        unpack_block(block, width, unpacked.data());
+        unpacked_block = nb;
+      }
+      if (unpacked_block == nb)
+        tile_rows<kRows, true>(mb, xm, width, xsm, xsumm, groups, unpacked.data(), sm, sums);
+      else
+        tile_rows<kRows, false>(mb, xm, width, xsm, xsumm, groups, block, sm, sums);
+      headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, nullptr, nullptr, bias,
+                           op);
+    };
   });
 }
 #else

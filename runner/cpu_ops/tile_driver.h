@@ -9,15 +9,18 @@
 
 namespace headrace {
 
-// fn(block, first_row, rows) for every (block of output channels, tile of up to `tile_rows`
-// rows) pair, block by block, split into one contiguous run per thread: the first row tile of
-// a block streams its weights from memory, the others find them in cache, and at most one
-// block per thread boundary is read twice. Split by blocks alone, 3 or 9 blocks (192 and 576
-// channels) left a thread idle for a third or a ninth.
-template <class Fn>
-void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, const Fn& fn) {
+// For every (block of output channels, tile of up to `tile_rows` rows) pair, block by block,
+// split into one contiguous run per thread: the first row tile of a block streams its
+// weights from memory, the others find them in cache, and at most one block per thread
+// boundary is read twice. Split by blocks alone, 3 or 9 blocks (192 and 576 channels) left a
+// thread idle for a third or a ninth. make() is called once a run and returns the
+// fn(block, first_row, rows) called for each pair of it: state a run keeps (a buffer) lives in
+// that fn, never shared between threads.
+template <class Make>
+void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, const Make& make) {
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   at::parallel_for(0, blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+    auto fn = make();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = item % tiles * tile_rows;
       fn(item / tiles, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
