@@ -175,18 +175,20 @@ def _head_rows(
     dtype: torch.dtype,
     kernel: str,
     candidates: Sequence[int],
+    batched_rows: int,
     reps: int,
     times: dict[int, dict[str, float]],
 ) -> int:
     """Up to how many rows the LM head keeps its batched copy: the candidate below the first
-    (decode-sized) row count where its own format is faster, else 0 (no limit of its own).
+    decode-sized row count (up to `batched_rows`, the other layers' limit) where its own
+    format is faster, else 0 (no limit of its own).
 
     The head sees one row per sequence, so only decode-sized counts matter, and its shape is
     like no other layer's: on Zen 1 SmolLM2's Q8_0 head (49152 x 576, "dot" under "q4") beat
     oneDNN fp32 at 8 and 16 rows (7.9 against 10.5 ms, 15.9 against 17.6) and lost from 32
     (31.2 against 29.1 ms, 61.8 against 53.6 at 64): compute bound there, and int16 madd
     multiplies no faster than FMA."""
-    counts = sorted(r for r in candidates if r < PROMPT_ROWS and r <= head.batched_rows)
+    counts = sorted(r for r in candidates if r < PROMPT_ROWS and r <= batched_rows)
     for i, rows in enumerate(counts):
         paths = {"head_own": (kernel, 0, 0), "head_batched": (kernel, rows, 0)}
         timed = _time_paths([head], dtype, rows, paths, reps)
@@ -264,9 +266,8 @@ def measure_batched_rows(
     head = getattr(model, "lm_head", None)
     head_rows = 0
     if kernel is not None and head in layers:
-        head.batched_rows = batched_rows
         with torch.inference_mode():
-            head_rows = _head_rows(head, dtype, kernel, candidates, reps, times)
+            head_rows = _head_rows(head, dtype, kernel, candidates, batched_rows, reps, times)
     for m in layers:
         if m.has_small_batch_int8:
             m.small_rows = small_rows

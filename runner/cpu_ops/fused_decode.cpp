@@ -23,11 +23,11 @@
 //   kAmx      AMX int8 tiles, scales, bias     (amx_int8_linear)
 //   kDot/kWiden  packed int8, scales, bias     (batched_int8_linear)
 //   kQ4       packed 4-bit blocks, scales, bias (q4_linear)
-// Each linear's N comes from the model's shape (heads, head_dim, hidden, intermediate), not
-// from its weights, so a kernel whose blocks pad N needs no case of its own.
 //   kOnednn   oneDNN weight, bias (bf16 or fp32) (mkldnn _linear_pointwise, inputs cast to
 //             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
+// Each linear's N comes from the model's shape (heads, head_dim, hidden, intermediate), not
+// from its weights, so a kernel whose blocks pad N needs no case of its own.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -64,7 +64,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 }
 
 // x @ W^T (+ bias), N outputs, through the kernel `kind` names, its weights in w[0..kSlots).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t n) {
+at::Tensor linear_of_kind(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t n) {
   switch (kind) {
     case kRows:
       return int8_weight_linear(x, w[0], w[1], optional_of(w[2]));
@@ -83,6 +83,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
+}
+
+// The same, checking that the weights gave the N the model's shape says (`what` names the
+// linear and `layer` its layer in the message).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind, int64_t n,
+                  const char* what, int64_t layer) {
+  at::Tensor y = linear_of_kind(x, w, kind, n);
+  TORCH_CHECK(y.size(1) == n, "decode_layers: ", what, " width of layer ", layer);
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
@@ -123,8 +132,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       add_rms_norm_(x, residual, w[0], eps);
       h = x;
     }
-    const at::Tensor qkv = linear(h, lin, kind[0], q_size + 2 * kv_size);
-    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: QKV width of layer ", l);
+    const at::Tensor qkv = linear(h, lin, kind[0], q_size + 2 * kv_size, "QKV", l);
     // Q and K rotate as one [B, H + KVH, D] view of the QKV rows, as the layer does.
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, head_dim});
     rotary_(qk, cos, sin);
@@ -133,12 +141,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     write_kv_(cache, qk.narrow(1, heads, kv_heads), v, slots);
     const at::Tensor attn =
         paged_decode_attention(qk.narrow(1, 0, heads), cache, block_tables, seq_lens, scale);
-    at::Tensor o = linear(attn.view({rows, q_size}), lin + kSlots, kind[1], hidden);
+    at::Tensor o = linear(attn.view({rows, q_size}), lin + kSlots, kind[1], hidden, "o_proj", l);
     add_rms_norm_(o, residual, w[1], eps);
-    const at::Tensor gate_up = linear(o, lin + 2 * kSlots, kind[2], 2 * intermediate);
-    TORCH_CHECK(gate_up.size(1) == 2 * intermediate, "decode_layers: gate/up width of layer ", l);
-    x = linear(silu_and_mul(gate_up), lin + 3 * kSlots, kind[3], hidden);
-    TORCH_CHECK(x.size(1) == hidden, "decode_layers: down width of layer ", l);
+    const at::Tensor gate_up =
+        linear(o, lin + 2 * kSlots, kind[2], 2 * intermediate, "gate/up", l);
+    x = linear(silu_and_mul(gate_up), lin + 3 * kSlots, kind[3], hidden, "down", l);
   }
   return {x, residual};
 }
