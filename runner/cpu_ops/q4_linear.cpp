@@ -190,7 +190,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   T* op = out.data_ptr<T>();
-  headrace::for_each_tile(packed.size(0), rows, kRows, [&] {
+  headrace::for_each_tile(packed.size(0), rows, kRows, width, [&] {
     // This run's unpacked block and which block it is (-1: none yet).
     return [&, unpacked = std::vector<uint8_t>(), unpacked_block = int64_t{-1}](
                int64_t nb, int64_t m0, int mb) mutable {
