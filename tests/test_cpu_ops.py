@@ -59,8 +59,9 @@ def _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64):
 
 
 # (heads, kv_heads, head_dim, block_size): SmolLM2 (9/3, 64), a Llama-1B head (32/8, 64),
-# a 128-wide head, and a width with no vector path (the generic loop).
-SHAPES = [(9, 3, 64, 16), (32, 8, 64, 32), (8, 2, 128, 16), (6, 3, 24, 16)]
+# a 128-wide head, a width with no vector path (the generic loop), and blocks of 6 tokens
+# (decode reads a block in pieces of 4: a piece of 2 ends each block).
+SHAPES = [(9, 3, 64, 16), (32, 8, 64, 32), (8, 2, 128, 16), (6, 3, 24, 16), (9, 3, 64, 6)]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
@@ -80,7 +81,7 @@ def test_prompt_chunks_match_the_reference(heads, kv_heads, head_dim, block_size
     # and 32-key tiles, beside a decode row. bf16 with head dims of 32k goes through the AMX
     # kernel where the CPU has AMX (fp32 and other widths: the reference).
     reqs = [(0, 40), (0, 100), (50, 37), (3, 1), (0, 17), (129, 64)]
-    want, got = _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64)
+    want, got = _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=128)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert CpuKernelAttentionBackend().amx == torch.ops.headrace.amx_usable()
