@@ -120,8 +120,8 @@ inline void for_each_block(const T* cache, const int64_t* table, int64_t seq_len
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
     const T* rows = cache + table[blk] * block_stride + kvh * D;
-    const T* next =
-        prefetch && blk + 1 < num_blocks ? cache + table[blk + 1] * block_stride + kvh * D : nullptr;
+    const bool more = prefetch && blk + 1 < num_blocks;
+    const T* next = more ? cache + table[blk + 1] * block_stride + kvh * D : nullptr;
     const int64_t n = std::min(block_size, seq_len - start);
     const int64_t next_n = std::min(block_size, seq_len - start - block_size);
     for (int64_t t = 0; t < n; t += kPiece) {

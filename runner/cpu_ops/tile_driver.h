@@ -23,7 +23,8 @@ void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, int64_t row_
                    const Make& make) {
   constexpr int64_t kPanelBytes = 256 * 1024;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / std::max<int64_t>(1, row_bytes) / tile_rows);
+  const int64_t panel_rows = kPanelBytes / std::max<int64_t>(1, row_bytes);
+  const int64_t panel = std::max<int64_t>(1, panel_rows / tile_rows);  // in tiles
   const int64_t panel_items = blocks * panel;
   at::parallel_for(0, blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     auto fn = make();
