@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from act_rounding import round_groups
 
 from runner.batched_rows import choose, measure_batched_rows
 from runner.cpu_ops import load_cpu_ops
@@ -53,12 +54,7 @@ def reference(kernel: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
         qmax = DOT_QMAX[batched_kernels()["dot"]]
         y = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
         for k0 in range(0, x.shape[1], 32):
-            g = xf[:, k0 : k0 + 32]
-            amax = g.abs().amax(dim=1, keepdim=True)
-            # A true division, as the kernel's (torch's `qmax / amax` multiplies by the
-            # reciprocal: one ulp off, and at 32767 that flips a rounding now and then).
-            inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, 0.0)
-            xq = (g * inv).round().clamp(-qmax, qmax)
+            xq, amax = round_groups(xf[:, k0 : k0 + 32], qmax)
             y += (xq.double() @ q[:, k0 : k0 + 32].double().t()) * (amax / qmax).double()
         y = y * scale.double()
     else:

@@ -11,6 +11,7 @@ import platform
 
 import pytest
 import torch
+from act_rounding import round_groups
 
 from runner.batched_rows import measure_batched_rows
 from runner.cpu_ops import load_cpu_ops
@@ -46,15 +47,8 @@ def on_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes, in float64: x rounded to int8 per row and 32 inputs."""
-    xf = x.double()
-    groups = xf.reshape(x.shape[0], -1, 32)
-    amax = groups.abs().amax(dim=2, keepdim=True)
-    scale = amax / 127
-    # 127 / t would be t.reciprocal() * 127 in torch: an ulp off the kernel's division,
-    # which moves an exact tie (98.5) to the other integer once in some 10^6 inputs.
-    inv = torch.full_like(amax, 127).float() / amax.float()
-    xq = torch.where(amax > 0, (groups.float() * inv).round().double(), 0.0)
-    y = (xq * scale).reshape(x.shape) @ w.double().t()
+    xq, amax = round_groups(x.float().reshape(-1, 32), 127)
+    y = (xq.double() * (amax.double() / 127)).reshape(x.shape) @ w.double().t()
     return y if bias is None else y + bias.double()
 
 
