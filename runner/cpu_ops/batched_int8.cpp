@@ -425,7 +425,7 @@ void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
   const int64_t x_stride = k4n * 4;
   headrace::for_each_tile(blocks, rows, K::kMB, x_stride * sizeof(typename K::X), [&] {
-    return [&](int64_t nb, int64_t m0, int mb) {
+    return [&](int64_t nb, int64_t m0, int mb, bool) {
       float sums[K::kMB * kBlockN];
       const int8_t* block = packed + nb * k4n * kStepBytes;
       const float* rs = xs ? xs + m0 * groups : nullptr;

@@ -99,8 +99,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-    double scale,
-    const std::optional<at::Tensor>& stop) {
+    double scale, const std::optional<at::Tensor>& stop) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
                   static_cast<int64_t>(kinds.size()) == layers * kLinears,

@@ -98,6 +98,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 // 16-token block at once (64 lines for D = 64) filled the core's miss buffers: on Zen 1 the
 // prefetch instruction itself took a sixth of the kernel's samples at 512 keys.
 constexpr int64_t kPiece = 4;
+static_assert(kPiece % 4 == 0, "the score pass takes four keys at a time from a piece");
 
 // Prefetch n tokens' rows for this KV head while earlier tokens are computed: blocks sit
 // anywhere in a cache of hundreds of MB, so each is a cold, non-sequential read.

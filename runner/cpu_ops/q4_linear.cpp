@@ -193,15 +193,15 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales
   headrace::for_each_tile(packed.size(0), rows, kRows, width, [&] {
     // This run's unpacked block and which block it is (-1: none yet).
     return [&, unpacked = std::vector<uint8_t>(), unpacked_block = int64_t{-1}](
-               int64_t nb, int64_t m0, int mb) mutable {
+               int64_t nb, int64_t m0, int mb, bool more) mutable {
       float sums[kRows * kBlockN];
       const uint8_t* block = pk + nb * (width / 8) * kPairBytes;
       const int8_t* xm = xq.data() + m0 * width;
       const float *xsm = xs.data() + m0 * groups, *xsumm = xsum.data() + m0 * groups;
       const float* sm = sp + nb * groups * 2 * kBlockN;
-      // A block's first tile in this run unpacks it where more of its tiles follow (a block
-      // split between two runs is unpacked by each).
-      if (unpacked_block != nb && m0 + kRows < rows) {
+      // A block's first tile in this run unpacks it where the run's next tile is the same
+      // block's (a block split between two runs or panels is unpacked by each).
+      if (unpacked_block != nb && more) {
         unpacked.resize(width * kBlockN);
         unpack_block(block, width, unpacked.data());
         unpacked_block = nb;

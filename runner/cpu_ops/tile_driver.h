@@ -16,8 +16,9 @@ namespace headrace {
 // every block (2048 rows of a 576-wide prompt are 1.2 MB, read once per block otherwise). At
 // most one block per thread boundary is read twice. Split by blocks alone, 3 or 9 blocks (192
 // and 576 channels) left a thread idle for a third or a ninth. make() is called once a run
-// and returns the fn(block, first_row, rows) called for each pair of it: state a run keeps (a
-// buffer) lives in that fn, never shared between threads.
+// and returns the fn(block, first_row, rows, more) called for each pair of it, `more` telling
+// whether the run's next pair is the same block's next tile: state a run keeps (a buffer)
+// lives in that fn, never shared between threads.
 template <class Make>
 void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, int64_t row_bytes,
                    const Make& make) {
@@ -35,7 +36,8 @@ void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, int64_t row_
     int64_t nb = rest / in_panel, t = rest % in_panel;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = (first + t) * tile_rows;
-      fn(nb, m0, static_cast<int>(std::min(tile_rows, rows - m0)));
+      const bool more = t + 1 < in_panel && item + 1 < end;
+      fn(nb, m0, static_cast<int>(std::min(tile_rows, rows - m0)), more);
       if (++t < in_panel) continue;
       t = 0;
       if (++nb < blocks) continue;
