@@ -25,7 +25,8 @@ oneDNN's time holds at 0.66-0.76 on Zen 5, so the two ends speak for the rows be
 
 Last, the LM head (one row per sequence, a shape like no other layer's) is timed alone at the
 decode-sized candidates, its batched copy against its own format, and keeps the copy only up
-to the last count where the copy is faster (`_head_rows`).
+to the last count where the copy is faster (`_head_rows`). Every other layer whose copy then
+serves through the budget frees its own format, which no step would run (`drop_own_format`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class BatchedChoice:
     exact_rows: int = 0
     # The LM head's own `batched_rows` where it differs (0: it follows `batched_rows`).
     head_rows: int = 0
+    # Layers whose own format was freed: the copy serves all their rows (`drop_own_format`).
+    freed: int = 0
 
     def describe(self) -> str:
         if self.kernel is None:
@@ -71,6 +74,8 @@ class BatchedChoice:
             said += f" ({exact} for {self.small_rows + 1}-{self.exact_rows})"
         if self.head_rows:
             said += f"; the LM head's up to {self.head_rows} rows"
+        if self.freed:
+            said += f"; the own format freed on {self.freed} layers (the copy serves all rows)"
         return said
 
 
@@ -268,6 +273,10 @@ def measure_batched_rows(
     if kernel is not None and head in layers:
         with torch.inference_mode():
             head_rows = _head_rows(head, dtype, kernel, candidates, batched_rows, reps, times)
+    # A copy that serves through the token budget serves every call a step makes (the LM
+    # head's rows are one a sequence, but its limit is its own): the own format goes.
+    frees = kernel is not None and 0 < step_rows <= batched_rows
+    freed = 0
     for m in layers:
         if m.has_small_batch_int8:
             m.small_rows = small_rows
@@ -279,4 +288,7 @@ def measure_batched_rows(
             assert m.batched_int8 is not None
             m.batched_int8.kernel, m.batched_int8.exact_rows = kernel, exact_rows
             m.batched_rows = head_rows if head_rows and m is head else batched_rows
-    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows, head_rows)
+            if frees and m is not head:
+                m.drop_own_format()
+                freed += 1
+    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows, head_rows, freed)

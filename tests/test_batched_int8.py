@@ -147,6 +147,18 @@ def test_linear_takes_small_then_batched_then_its_own_format():
         assert torch.equal(layer(x), expect), rows
     with pytest.raises(ValueError, match="copy has 48 outputs, layer 12"):
         Linear(64, 12).set_batched_int8(batched)
+    # Its own format freed, the copy takes the rows past `batched_rows` too, and stays.
+    layer.drop_own_format()
+    assert layer.format == "batched" and layer.weight is None
+    for rows, want in ((2, small), (9, batched), (40, batched)):
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), want(x, b)), rows
+    with pytest.raises(RuntimeError, match="only weight"):
+        layer.set_batched_int8(None)
+    with pytest.raises(RuntimeError, match="no batched copy"):
+        Linear(64, 12).drop_own_format()
+    layer = Linear(64, 48, bias=True)
+    layer.pack("float", batched_int8="dot")
     layer.set_batched_int8(None)
     assert layer.batched_rows == 0
     # Layers whose inputs carry outlier channels (the MLP's) take "dot" too: its scales are
@@ -241,6 +253,12 @@ def test_a_kernel_that_wins_through_the_candidates_is_timed_at_the_step_budget(m
         assert calls == [("own", "dot", "widen"), ("own", "dot")]  # the kept kernel only
         assert choice.kernel == "dot" and choice.batched_rows == want
         assert model[0].batched_rows == want and sorted(choice.times) == [8, 64]
+        # Serving through the budget, the copy serves every call: the own weight is freed.
+        freed = want == 64
+        assert (model[0].format, model[0].weight is None) == (("batched", True) if freed
+                                                              else ("float", False))  # fmt: skip
+        assert choice.freed == freed and ("own format freed" in choice.describe()) == freed
+        model = torch.nn.Sequential(Linear(256, 512))
     # Lost at a candidate already: the budget is not timed.
     calls.clear()
     monkeypatch.setattr(
@@ -280,6 +298,11 @@ def test_the_lm_head_is_timed_alone_at_decode_rows(monkeypatch, loses_from, head
     assert choice.batched_rows == 256 and choice.head_rows == head_rows
     assert model.body.batched_rows == 256
     assert model.lm_head.batched_rows == (head_rows or 256)
+    # The body's copy serves through the budget and its own weight goes; the head keeps its
+    # own (it takes over past its own limit).
+    assert model.body.format == "batched" and model.body.weight is None
+    assert model.lm_head.format == "float" and model.lm_head.weight is not None
+    assert choice.freed == 1
     assert ("LM head's up to" in choice.describe()) == bool(head_rows)
 
 

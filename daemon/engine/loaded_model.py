@@ -14,6 +14,7 @@ import torch
 
 from daemon.engine.config import EngineConfig
 from plugins import load_model_class
+from runner.heap import trim_heap
 from runner.loader import load_model, model_linears, open_checkpoint
 from runner.model_config import ModelConfig
 from runner.model_source import ModelSource, resolve_model
@@ -75,6 +76,7 @@ class LoadedModel:
             raise
         platform.prepare(model, config.max_num_batched_tokens)
         log.info("%s", platform.describe())  # after prepare: it measures and adds reasons
+        log.info("returned %.0f MB of heap the load freed", trim_heap() / 1e6)
         tokenizer = load_tokenizer(source)
         log.info("loaded %s in %.1fs", source.name, time.perf_counter() - t0)
         return cls(

@@ -21,6 +21,8 @@ AVX-512/AVX2 GEMV for a handful of rows) or "amx" (16 x 32 tiles widened to bf16
 tile multiply, for bf16 activations and up to a few dozen rows).
 Without AMX a layer may also keep a `BatchedInt8` copy (runner/layers/batched_int8.py) for
 calls of more than `small_rows` and at most `batched_rows` rows (a decode step of 8-64).
+Where that copy serves every call a step can make (its rows reach the token budget), the
+measurement frees the own format: the layer's format is then "batched" (`drop_own_format`).
 
 The model code only builds `Linear`s; `pack_linears(model, fmt)` converts them all after the
 weights are loaded, so the model definitions stay the same whatever the format.
@@ -266,13 +268,26 @@ class Linear(nn.Linear):
         """Attach a batched int8 copy (of this layer's shape), or drop it with None."""
         if copy is not None and copy.out_features != self.out_features:
             raise ValueError(f"copy has {copy.out_features} outputs, layer {self.out_features}")
+        if copy is None and self.format == "batched":
+            raise RuntimeError("the batched copy is this layer's only weight")
         self._batched = copy
         if copy is None:
             self.batched_rows = 0
 
+    def drop_own_format(self) -> None:
+        """Free the own format's weight and let the batched copy serve every row count past
+        the small copy: for a layer whose copy serves the step's whole token budget, the own
+        format is dead weight (on Zen 1 SmolLM2's decoder in oneDNN fp32: 424 MB)."""
+        if self._batched is None:
+            raise RuntimeError("no batched copy to serve in the own format's place")
+        self._onednn = self._onednn_bias = self._int8 = None
+        self.weight = None  # type: ignore[assignment]
+        self.format = "batched"
+
     def kernel_for(self, rows: int) -> str:
         """What a call of `rows` rows runs on: "padded" (fewer than `min_rows`), "small" (the
-        weight-only int8 copy), "batched" (the batched int8 copy), else the format. The
+        weight-only int8 copy), "batched" (the batched int8 copy, or the format), else the
+        format. The
         fused decoder stack (runner/models/fused_decode.py) follows the same choice."""
         if rows < self.min_rows:
             return "padded"

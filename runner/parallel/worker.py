@@ -21,6 +21,7 @@ import torch
 
 from runner.attention_backends import BACKENDS, select_attention_backend
 from runner.device_queue import to_device
+from runner.heap import trim_heap
 from runner.model_source import ModelSource
 from runner.parallel.group import TensorParallel
 from runner.parallel.ring import ShmRing
@@ -121,6 +122,7 @@ def _serve(spec: WorkerSpec) -> None:
 
     cache = CacheSpec.decode(ring.read(spec.rank, parent_alive), BACKENDS)
     spec.platform.prepare_as(model, cache.small_rows, cache.min_rows)
+    trim_heap()  # the shard's load temporaries (runner/heap.py)
     shard = ShardRunner(model, cache, device, spec.platform.dtype)
     log.info("rank %d (pid %d) ready on cores %s (%d threads)", spec.rank, os.getpid(),
              spec.cores, spec.threads)  # fmt: skip
