@@ -12,7 +12,10 @@ import openai
 import orjson
 import pytest
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy, the served path's answer must not hang on a near-tie: "...of France?" has one at its
+# first token (0.08 logits between "The" and "L" in transformers' fp32), which a start-up's
+# choice of kernel flips; this one's answer leads by at least 0.97 at every token.
+QUESTION = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def test_ready_status_and_watchdog(daemon):
 def test_openai_chat_and_completions_non_streaming(daemon, model):
     c = client(daemon)
     chat = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=20, temperature=0)
-    assert "Paris" in chat.choices[0].message.content
+    assert "Tokyo" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 10
     comp = c.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
@@ -55,7 +58,7 @@ def test_openai_streaming_with_usage(daemon, model):
         )
     )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert "Paris" in text
+    assert "Tokyo" in text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
     parts = list(
@@ -79,9 +82,9 @@ def test_n_seed_stop_and_logprobs(daemon, model):
     )
     assert [ch.text for ch in many.choices] == [ch.text for ch in again.choices]
     stopped = c.chat.completions.create(
-        model=model, messages=QUESTION, max_tokens=30, temperature=0, stop=["Paris"]
+        model=model, messages=QUESTION, max_tokens=30, temperature=0, stop=["Tokyo"]
     )
-    assert "Paris" not in stopped.choices[0].message.content
+    assert "Tokyo" not in stopped.choices[0].message.content
     assert stopped.choices[0].finish_reason == "stop"
     lp = c.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
@@ -119,7 +122,7 @@ def test_unix_socket_with_aiohttp_openai_and_curl(daemon, model):
     chat = uds_client.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=20, temperature=0
     )
-    assert "Paris" in chat.choices[0].message.content
+    assert "Tokyo" in chat.choices[0].message.content
     out = subprocess.run(
         [
             "curl",
