@@ -7,9 +7,11 @@ auto, a 1 GiB KV pool) in a fresh process twice, in alternating order:
 
 ```
 headrace   as shipped: a layer whose batched copy serves the whole token budget frees its own
-           format (runner/batched_rows.py), and the heap the load freed goes back to the OS
+           format (runner/batched_rows.py), the token table is kept as its Q8_0 blocks
+           (runner/layers/q8_embedding.py), and the heap the load freed goes back to the OS
            (runner/heap.py)
-baseline   both undone in that process: every own format kept, no heap trim
+baseline   all three undone in that process: every own format and the dense table kept, no
+           heap trim
 ```
 
 and reports the resident set at the load's peak (sampled every 5 ms), after loading and after
@@ -36,6 +38,7 @@ VARIANTS = ("headrace", "baseline")
 
 def child(variant: str, threads: int) -> dict[str, float]:
     import daemon.engine.loaded_model as loaded_model
+    import runner.platform
     from daemon.engine.config import EngineConfig
     from daemon.engine.engine import Engine
     from runner.heap import resident_bytes
@@ -45,6 +48,7 @@ def child(variant: str, threads: int) -> dict[str, float]:
     if variant == "baseline":
         Linear.drop_own_format = lambda self: None  # type: ignore[method-assign]
         loaded_model.trim_heap = lambda: 0  # type: ignore[attr-defined]
+        runner.platform.compress_embedding = lambda model: 0  # type: ignore[attr-defined]
     # The peak, sampled: the kernel's VmHWM lagged the load's peak by hundreds of MB here.
     peak, loading = [0], threading.Event()
 
