@@ -3,8 +3,9 @@
 Loading converts every weight at least once (the checkpoint's blocks dequantised to floats,
 then packed into each kernel's layout, some formats freed again), in allocations of a few MB
 each. glibc serves those from its arenas once its mmap threshold has grown past them, and
-`free` keeps the pages: on Zen 1 the embedded SmolLM2 server held 0.4 GB it no longer used
-(benchmarks/serve_memory.py). `malloc_trim` returns whole free pages from every arena.
+`free` keeps the pages: on Zen 1 the embedded SmolLM2 engine held 0.3 GB it no longer used
+after loading, 0.6 GB once the formats no step reads were freed too (docs/performance.md,
+seventh session). `malloc_trim` returns whole free pages from every arena.
 """
 
 from __future__ import annotations

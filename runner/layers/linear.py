@@ -287,8 +287,8 @@ class Linear(nn.Linear):
     def kernel_for(self, rows: int) -> str:
         """What a call of `rows` rows runs on: "padded" (fewer than `min_rows`), "small" (the
         weight-only int8 copy), "batched" (the batched int8 copy, or the format), else the
-        format. The
-        fused decoder stack (runner/models/fused_decode.py) follows the same choice."""
+        format. The fused decoder stack (runner/models/fused_decode.py) follows the same
+        choice."""
         if rows < self.min_rows:
             return "padded"
         if self._small is not None and rows <= self.small_rows:
