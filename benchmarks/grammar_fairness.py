@@ -22,13 +22,13 @@ import threading
 import time
 
 from grammars import GrammarCompiler, GrammarSpec
+from runner.heap import resident_bytes
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 
 
 def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+    return resident_bytes() / 2**20
 
 
 def schema(i: int) -> GrammarSpec:

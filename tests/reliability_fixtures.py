@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import resource
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from daemon.engine.loaded_model import LoadedModel
 from daemon.openai.api import APIServer
 from daemon.openai.metrics import Metrics
 from daemon.openai.options import APIOptions
+from runner.heap import resident_bytes
 from runner.model_source import resolve_model
 from runner.tokenizer import load_tokenizer
 
@@ -97,9 +97,5 @@ def assert_pool_empty(engine: AsyncEngine) -> None:
 
 
 def rss_mb() -> float:
-    """Current resident set size in MiB (from /proc; ru_maxrss is only the peak)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Current resident set size in MiB (runner/heap.py reads it; ru_maxrss is only the peak)."""
+    return resident_bytes() / (1 << 20)
