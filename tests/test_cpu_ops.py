@@ -129,6 +129,36 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(alone[0], together[i])
 
 
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (64, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_contexts_are_attended_in_splits_that_merge_exactly(head_dim, block_size, dtype):
+    # Past 512 keys a request's context is cut into splits of whole blocks, attended as units
+    # of their own and merged: lengths on both sides of a split and of a block, beside short
+    # rows, against the reference; and each row alone equals it in the batch, bit for bit
+    # (the splits follow a row's own length, never the batch's).
+    torch.manual_seed(head_dim + block_size)
+    lens = [1, 512, 513, 700, 1100, 2049]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 5
+    tables = _tables(lens, block_size, num_blocks)
+    kv = torch.randn(2, num_blocks, block_size, 3, head_dim).to(dtype)
+    q = torch.randn(len(lens), 9, head_dim).to(dtype)
+    meta = TorchAttentionBackend().build_metadata(
+        [n - 1 for n in lens], [1] * len(lens), tables, block_size, CPU
+    )
+    want = TorchAttentionBackend().forward(q.float(), kv.float(), meta, head_dim**-0.5)
+    padded = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.long)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = torch.tensor(t)
+    lengths = torch.tensor(lens)
+    op = torch.ops.headrace.paged_decode_attention
+    got = op(q, kv, padded, lengths, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    for i in range(len(lens)):
+        alone = op(q[i : i + 1], kv, padded[i : i + 1], lengths[i : i + 1], head_dim**-0.5)
+        assert torch.equal(alone[0], got[i])
+
+
 def test_bad_tables_and_lengths_are_refused_not_read():
     kv = torch.zeros(2, 4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)
@@ -149,6 +179,18 @@ def test_backend_choice():
     assert select_attention_backend(CPU, 3, "torch").name == "torch"
     with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
         select_attention_backend(torch.device("cuda"), 3, "cpu")
+
+
+def test_every_source_and_header_is_built_and_keys_the_build():
+    # A header missing from the key (tile_driver.h was) lets an edit load a stale library.
+    from pathlib import Path
+
+    from runner import cpu_ops
+
+    here = Path(cpu_ops.__file__).parent
+    assert set(cpu_ops.SOURCES) == {p.name for p in here.glob("*.cpp")}
+    assert set(cpu_ops.HEADERS) == {p.name for p in here.glob("*.h")}
+    assert "tile_driver.h" in cpu_ops.HEADERS
 
 
 def test_a_failed_build_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):

@@ -1,8 +1,9 @@
 // Decode attention that reads the paged KV cache in place (no gathered copy per layer).
 //
-// One query token per request. Work is split over (request, KV head) pairs: the g query
-// heads that share a KV head are computed together, so every cached key and value is
-// read once per step and layer. Arithmetic is fp32 whatever the storage dtype.
+// One query token per request. Work is split over (request, KV head) pairs, and a context
+// past kSplitKeys over splits of its keys, merged after: the g query heads that share a KV
+// head are computed together, so every cached key and value is read once per step and layer.
+// Arithmetic is fp32 whatever the storage dtype.
 //
 // Layouts (the torch reference's, runner/attention.py):
 //   q            [B, H, D]                 fp32 or bf16
@@ -136,10 +137,10 @@ inline void for_each_block(const T* cache, const int64_t* table, int64_t seq_len
 
 // out[h] = sum_t p[h][t] v[t] * inv_sum[h] for G heads (G and D fixed: the G x D / N
 // accumulators stay in registers) over one KV head's values; each value row is widened once.
-template <int G, int D, typename T>
+template <int G, int D, typename T, typename O>
 void weighted_values(const float* p, int64_t p_stride, const float* inv_sum, const T* v_cache,
                      const int64_t* table, int64_t seq_len, int64_t kvh, int64_t kv_heads,
-                     int64_t block_size, bool prefetch, T* out) {
+                     int64_t block_size, bool prefetch, O* out) {
   constexpr int NV = D / Vec::N;
   const int64_t token_stride = kv_heads * D;
   Vec acc[G][NV];
@@ -163,14 +164,31 @@ void weighted_values(const float* p, int64_t p_stride, const float* inv_sum, con
   }
 }
 
+// weighted_values for g (at most 4) heads: G is a template argument so the accumulators stay
+// in registers, one instance per count.
+template <int D, typename T, typename O>
+void values_pass(int g, const float* p, int64_t p_stride, const float* inv_sum, const T* v_cache,
+                 const int64_t* table, int64_t seq_len, int64_t kvh, int64_t kv_heads,
+                 int64_t block_size, bool prefetch, O* out) {
+  using Pass = void (*)(const float*, int64_t, const float*, const T*, const int64_t*, int64_t,
+                        int64_t, int64_t, int64_t, bool, O*);
+  constexpr Pass passes[] = {weighted_values<1, D, T, O>, weighted_values<2, D, T, O>,
+                             weighted_values<3, D, T, O>, weighted_values<4, D, T, O>};
+  passes[g - 1](p, p_stride, inv_sum, v_cache, table, seq_len, kvh, kv_heads, block_size, prefetch,
+                out);
+}
+
 // Accumulator registers the value pass may use (AVX-512 has 32 vector registers, AVX2 16).
 constexpr int kAccRegs = Vec::N == 16 ? 16 : 8;
 static_assert(kAccRegs / 4 <= 4, "weighted_values is instantiated for up to 4 heads");
 
+// One KV head's g query heads over `seq_len` keys from `table`'s first block, into `out`
+// (q's dtype) normalised; or, given `partial`, into it as [max (g), exp sum (g), unnormalised
+// values (g x D)] in fp32, for merge_splits.
 template <int D, typename T>
 void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                     int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
-                    int64_t block_size, float scale, T* out) {
+                    int64_t block_size, float scale, T* out, float* partial) {
   constexpr int NV = D / Vec::N;
   // Query heads whose value accumulators fit in registers together.
   constexpr int kHeads = kAccRegs / NV > 0 ? kAccRegs / NV : 1;
@@ -223,30 +241,73 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
     // this kernel's time at 176 keys).
     Vec mx = Vec::load(scores);
     for (int64_t t = Vec::N; t < padded; t += Vec::N) mx = Vec::max(mx, Vec::load(scores + t));
-    const Vec mv = Vec::set1(mx.max());
+    const float m = mx.max();
+    const Vec mv = Vec::set1(m);
     Vec sum = Vec::set1(0.0f);
     for (int64_t t = 0; t < padded; t += Vec::N) {
       const Vec e = (Vec::load(scores + t) - mv).exp();
       e.store(scores + t);
       sum = sum + e;
     }
-    inv_sum[j] = 1.0f / sum.sum();
+    const float total = sum.sum();
+    inv_sum[j] = partial ? 1.0f : 1.0f / total;
+    if (partial) {
+      partial[j] = m;
+      partial[group + j] = total;
+    }
   }
   // Weighted values: each value row is widened once for up to kHeads heads at a time.
   for (int64_t j0 = 0; j0 < group; j0 += kHeads) {
     const float* p = all_scores.data() + j0 * padded;
     const float* inv = inv_sum.data() + j0;
-    T* o = out + j0 * D;
-    // G is a template argument so the accumulators stay in registers: one instance per count.
-    using Pass = void (*)(const float*, int64_t, const float*, const T*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, bool, T*);
-    constexpr Pass passes[] = {weighted_values<1, D, T>, weighted_values<2, D, T>,
-                               weighted_values<3, D, T>, weighted_values<4, D, T>};
-    passes[std::min<int64_t>(kHeads, group - j0) - 1](p, padded, inv, v_cache, table, seq_len,
-                                                       kvh, kv_heads, block_size, j0 == 0, o);
+    const int g = static_cast<int>(std::min<int64_t>(kHeads, group - j0));
+    if (partial)
+      values_pass<D, T, float>(g, p, padded, inv, v_cache, table, seq_len, kvh, kv_heads,
+                               block_size, j0 == 0, partial + 2 * group + j0 * D);
+    else
+      values_pass<D, T, T>(g, p, padded, inv, v_cache, table, seq_len, kvh, kv_heads, block_size,
+                           j0 == 0, out + j0 * D);
+  }
+}
+
+// Splits of one (request, KV head) merged into `out`: each split's values rescaled from its
+// own max to the overall one, as the online softmax does between blocks.
+template <typename T>
+void merge_splits(const float* partials, int64_t splits, int64_t stride, int64_t group,
+                  int64_t head_dim, T* out) {
+  for (int64_t j = 0; j < group; ++j) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < splits; ++p) m = std::max(m, partials[p * stride + j]);
+    std::vector<float> acc(head_dim, 0.0f);
+    float total = 0.0f;
+    for (int64_t p = 0; p < splits; ++p) {
+      const float* part = partials + p * stride;
+      const float w = std::exp(part[j] - m);
+      total += w * part[group + j];
+      const float* values = part + 2 * group + j * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * values[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) out[j * head_dim + d] = static_cast<T>(acc[d] / total);
   }
 }
 #endif
+
+// A request's context longer than this is attended in splits of about this many keys (whole
+// blocks) that run as units of their own and are merged: one long request's 3 KV heads on 2
+// threads left one thread idle a third of the time. The splits depend on the request's own
+// length only, so a row's output does not depend on its batch (--deterministic relies on it).
+constexpr int64_t kSplitKeys = 512;
+
+// Blocks a split of a `len`-key context spans, and the context's splits.
+int64_t split_blocks(int64_t len, int64_t block_size) {
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  const int64_t want = (len + kSplitKeys - 1) / kSplitKeys;
+  return (blocks + want - 1) / want;
+}
+int64_t splits_of(int64_t len, int64_t block_size) {
+  const int64_t per = split_blocks(len, block_size);
+  return ((len + block_size - 1) / block_size + per - 1) / per;
+}
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
@@ -258,28 +319,58 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const T* v_ptr = k_ptr + cache.stride(0);
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
-  // Grain 1: a unit is a whole (request, KV head) pass over its context.
+  // One query row's heads for one KV head over `len` keys from `table`'s first block.
+  auto attend = [&](int64_t offset, const int64_t* table, int64_t len, int64_t kvh,
+                    float* partial) {
+#if HEADRACE_VEC
+    if (head_dim == 64)
+      return decode_one_vec<64>(q_ptr + offset, k_ptr, v_ptr, table, len, kvh, group, kv_heads,
+                                block_size, scale, out_ptr + offset, partial);
+    if (head_dim == 128)
+      return decode_one_vec<128>(q_ptr + offset, k_ptr, v_ptr, table, len, kvh, group, kv_heads,
+                                 block_size, scale, out_ptr + offset, partial);
+#endif
+    decode_one(q_ptr + offset, k_ptr, v_ptr, table, len, kvh, group, kv_heads, block_size,
+               head_dim, scale, out_ptr + offset);
+  };
+  // Work items: request b's are [first[b], first[b + 1]), its KV heads' splits in order. The
+  // generic loop (other head sizes, no vector unit) has no partial form: whole contexts.
+  const bool splits_ok = HEADRACE_VEC && (head_dim == 64 || head_dim == 128);
+  std::vector<int64_t> first(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    first[b + 1] = first[b] + (splits_ok ? splits_of(lens[b], block_size) : 1) * kv_heads;
+  const int64_t items = first[batch], stride = group * (2 + head_dim);
+  std::vector<float> partials(items > batch * kv_heads ? items * stride : 0);
+  // Grain 1: an item is a whole pass over its keys.
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first[b + 1]) ++b;
+      const int64_t splits = (first[b + 1] - first[b]) / kv_heads;
+      const int64_t kvh = (item - first[b]) / splits, split = (item - first[b]) % splits;
+      const int64_t offset = (b * heads + kvh * group) * head_dim;
+      const int64_t* table = table_ptr + b * max_blocks;
+      if (splits == 1) {
+        attend(offset, table, lens[b], kvh, nullptr);
+        continue;
+      }
+      const int64_t per = split_blocks(lens[b], block_size), block0 = split * per;
+      const int64_t len = std::min(lens[b], (block0 + per) * block_size) - block0 * block_size;
+      attend(offset, table + block0, len, kvh, partials.data() + item * stride);
+    }
+  });
+#if HEADRACE_VEC
+  if (partials.empty()) return;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
-      const int64_t offset = (b * heads + kvh * group) * head_dim;
-      const int64_t* table = table_ptr + b * max_blocks;
-#if HEADRACE_VEC
-      if (head_dim == 64) {
-        decode_one_vec<64>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
-                              block_size, scale, out_ptr + offset);
-        continue;
-      }
-      if (head_dim == 128) {
-        decode_one_vec<128>(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads,
-                            block_size, scale, out_ptr + offset);
-        continue;
-      }
-#endif
-      decode_one(q_ptr + offset, k_ptr, v_ptr, table, lens[b], kvh, group, kv_heads, block_size,
-                 head_dim, scale, out_ptr + offset);
+      const int64_t splits = (first[b + 1] - first[b]) / kv_heads;
+      if (splits == 1) continue;
+      merge_splits(partials.data() + (first[b] + kvh * splits) * stride, splits, stride, group,
+                   head_dim, out_ptr + (b * heads + kvh * group) * head_dim);
     }
   });
+#endif
 }
 
 }  // namespace
