@@ -275,10 +275,11 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int64_
 template <typename T>
 void merge_splits(const float* partials, int64_t splits, int64_t stride, int64_t group,
                   int64_t head_dim, T* out) {
+  std::vector<float> acc(head_dim);
   for (int64_t j = 0; j < group; ++j) {
     float m = -INFINITY;
     for (int64_t p = 0; p < splits; ++p) m = std::max(m, partials[p * stride + j]);
-    std::vector<float> acc(head_dim, 0.0f);
+    std::fill(acc.begin(), acc.end(), 0.0f);
     float total = 0.0f;
     for (int64_t p = 0; p < splits; ++p) {
       const float* part = partials + p * stride;

@@ -3,12 +3,12 @@
 //
 // A tile is up to 16 query positions times the g query heads that share one KV head (at most
 // 64 rows), so every cached key and value row is read once per tile. The tile walks the keys
-// up to its last position, N at a time (N = Vec::N, always inside one block): the N keys are
-// transposed into [D][N], so each row's N scores are one vector of broadcast-FMAs (with
-// AVX512-BF16 and a bf16 cache the bf16 pairs are transposed as 32-bit words and multiplied
-// by _mm512_dpbf16_ps, no widening); online softmax in fp32; values accumulated in fp32, each
-// row widened once per few query rows (with AVX512-BF16: P rounded to bf16, as the AMX kernel
-// does, times value rows paired across keys on _mm512_dpbf16_ps).
+// up to its last position, kKeys (16) at a time, always inside one block: the keys are
+// transposed into [D][16], so each row's 16 scores are one AVX-512 vector (two AVX2 ones) of
+// broadcast-FMAs (with AVX512-BF16 and a bf16 cache the bf16 pairs are transposed as 32-bit
+// words and multiplied by _mm512_dpbf16_ps, no widening); online softmax in fp32; values
+// accumulated in fp32, each row widened once per few query rows (with AVX512-BF16: P rounded
+// to bf16, as the AMX kernel does, times value rows paired across keys on _mm512_dpbf16_ps).
 //
 //   paged_prefill_attention_vec_(out [T, H, D], q [T, H, D], kv_cache [2, N, S, KVH, D],
 //                                block_tables [B, max_blocks], seq_lens [B], q_starts [B],
@@ -44,9 +44,10 @@ constexpr float kNoMax = -1e30f;
 #if HEADRACE_VEC
 constexpr int64_t N = Vec::N;
 #if defined(__AVX512F__)
-// dst[c * 16 + r] = word c of row r (rows r >= n read as 0): a 16 x 16 block of 32-bit words
-// (fp32 values or bf16 pairs), row r at src + r * stride.
-inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst) {
+// dst[c * dst_stride + r] = word c of row r (rows r >= n read as 0): a 16 x 16 block of 32-bit
+// words (fp32 values or bf16 pairs), row r at src + r * stride.
+inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst,
+                            int64_t dst_stride) {
   __m512i r[16], a[16];
   for (int i = 0; i < 16; ++i)
     r[i] = i < n ? _mm512_loadu_si512(src + i * stride) : _mm512_setzero_si512();
@@ -66,17 +67,18 @@ inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint
     const __m512i c1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
     const __m512i c2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
     const __m512i c3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-    _mm512_storeu_si512(dst + j * 16, _mm512_shuffle_i32x4(c0, c2, 0x88));
-    _mm512_storeu_si512(dst + (4 + j) * 16, _mm512_shuffle_i32x4(c1, c3, 0x88));
-    _mm512_storeu_si512(dst + (8 + j) * 16, _mm512_shuffle_i32x4(c0, c2, 0xdd));
-    _mm512_storeu_si512(dst + (12 + j) * 16, _mm512_shuffle_i32x4(c1, c3, 0xdd));
+    _mm512_storeu_si512(dst + j * dst_stride, _mm512_shuffle_i32x4(c0, c2, 0x88));
+    _mm512_storeu_si512(dst + (4 + j) * dst_stride, _mm512_shuffle_i32x4(c1, c3, 0x88));
+    _mm512_storeu_si512(dst + (8 + j) * dst_stride, _mm512_shuffle_i32x4(c0, c2, 0xdd));
+    _mm512_storeu_si512(dst + (12 + j) * dst_stride, _mm512_shuffle_i32x4(c1, c3, 0xdd));
   }
 }
 // Registers for the value accumulators (32 vector registers) and the widest column run.
 constexpr int kAccRegs = 16, kMaxCols = 8;
 #else
 // The AVX2 version: an 8 x 8 block.
-inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst) {
+inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst,
+                            int64_t dst_stride) {
   __m256 r[8], a[8];
   for (int i = 0; i < 8; ++i)
     r[i] = i < n ? _mm256_loadu_ps(reinterpret_cast<const float*>(src + i * stride))
@@ -100,8 +102,8 @@ inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint
   // Now r[4i + j], 128-bit half L: rows 4i .. 4i + 3 of column 4L + j.
   float* out = reinterpret_cast<float*>(dst);
   for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(out + j * 8, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
-    _mm256_storeu_ps(out + (4 + j) * 8, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+    _mm256_storeu_ps(out + j * dst_stride, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+    _mm256_storeu_ps(out + (4 + j) * dst_stride, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
   }
 }
 // 16 vector registers: 8 accumulators, 4 value vectors, a broadcast.
@@ -117,18 +119,33 @@ constexpr bool kDot =
     false;
 #endif
 
+// Keys a chunk covers (at most; a chunk never crosses a block), as NC vectors of scores a row.
+// 16 on AVX2 too, two vectors: each broadcast of a query value then feeds two FMAs (one fed
+// one, so a row's scores were a broadcast load per FMA), and a row's softmax bookkeeping and
+// its accumulators' rescale come once per 16 keys, not per 8.
+constexpr int64_t kKeys = 16;
+constexpr int NC = static_cast<int>(kKeys / N);
+static_assert(kKeys % N == 0, "a chunk is whole vectors of scores");
+
 // Scores of `rows` (a multiple of 8) rows against one chunk's keys: s[r][t] = q_r . k_t.
-// kt: [D][N] fp32; q: [rows][D] fp32.
+// kt: [D][kKeys] fp32; q: [rows][D] fp32. Blocks of 8 / NC rows x NC vectors of keys.
 template <int D>
 void scores_fp32(const float* q, const float* kt, int64_t rows, float* s) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    Vec acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = Vec::set1(0.0f);
+  constexpr int R = 8 / NC;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    Vec acc[R][NC];
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < NC; ++c) acc[i][c] = Vec::set1(0.0f);
     for (int d = 0; d < D; ++d) {
-      const Vec k = Vec::load(kt + d * N);
-      for (int i = 0; i < 8; ++i) acc[i] = Vec::fmadd(Vec::set1(q[(r0 + i) * D + d]), k, acc[i]);
+      Vec k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = Vec::load(kt + d * kKeys + c * N);
+      for (int i = 0; i < R; ++i) {
+        const Vec qv = Vec::set1(q[(r0 + i) * D + d]);
+        for (int c = 0; c < NC; ++c) acc[i][c] = Vec::fmadd(qv, k[c], acc[i][c]);
+      }
     }
-    for (int i = 0; i < 8; ++i) acc[i].store(s + (r0 + i) * N);
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < NC; ++c) acc[i][c].store(s + (r0 + i) * kKeys + c * N);
   }
 }
 
@@ -144,7 +161,7 @@ void scores_bf16(const uint32_t* q, const uint32_t* kw, int64_t rows, float* s) 
       for (int i = 0; i < 8; ++i)
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(q[(r0 + i) * (D / 2) + j]), k);
     }
-    for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s + (r0 + i) * N, acc[i]);
+    for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s + (r0 + i) * kKeys, acc[i]);
   }
 }
 
@@ -174,7 +191,7 @@ void add_values_bf16(const c10::BFloat16* v, int64_t stride, int64_t n, const fl
   alignas(64) uint32_t pw[kMaxRows * 8];
   for (int64_t r = 0; r < rows; ++r)
     _mm256_store_si256(reinterpret_cast<__m256i*>(pw + r * 8),
-                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * N)));
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * kKeys)));
   for (int64_t r0 = 0; r0 < rows; r0 += MR) {
     for (int c0 = 0; c0 < NV; c0 += CV) {
       __m512 a[MR][CV];
@@ -231,7 +248,7 @@ void add_values(const T* v, int64_t stride, int64_t n, const float* p, const flo
         Vec vv[CV];
         for (int c = 0; c < CV; ++c) vv[c] = Vec::load(v + t * stride + (c0 + c) * N);
         for (int i = 0; i < MR; ++i) {
-          const Vec w = Vec::set1(p[(r0 + i) * N + t]);
+          const Vec w = Vec::set1(p[(r0 + i) * kKeys + t]);
           for (int c = 0; c < CV; ++c) a[i][c] = Vec::fmadd(w, vv[c], a[i][c]);
         }
       }
@@ -262,9 +279,9 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
   const int64_t rows_n = (valid + N - 1) / N * N;  // rows the vector rescale covers
   alignas(64) float qf[kDot<T> ? 1 : kMaxRows * D];
   alignas(64) uint32_t qw[kDot<T> ? kMaxRows * D / 2 : 1];
-  alignas(64) uint32_t words[kWords * N];
-  alignas(64) float kt[kDot<T> ? 1 : D * N];
-  alignas(64) float s[kMaxRows * N], lsum[kMaxRows * N], acc[kMaxRows * D];
+  alignas(64) uint32_t words[kWords * kKeys];
+  alignas(64) float kt[kDot<T> ? 1 : D * kKeys];
+  alignas(64) float s[kMaxRows * kKeys], lsum[kMaxRows * N], acc[kMaxRows * D];
   alignas(64) float m[kMaxRows], row_max[kMaxRows], corr[kMaxRows];
   int64_t visible[kMaxRows];
   std::fill(m, m + kMaxRows, kNoMax);
@@ -286,13 +303,16 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
   const Vec scale_v = Vec::set1(scale);
   for (int64_t c0 = 0; c0 <= last;) {
     const int64_t in = c0 % block_size;
-    const int64_t n = std::min({N, block_size - in, last + 1 - c0});
+    const int64_t n = std::min({kKeys, block_size - in, last + 1 - c0});
     const int64_t offset = table[c0 / block_size] * block_stride + in * token_stride + kvh * D;
     // Scores: the chunk's keys transposed, then one vector of N scores per row.
     const auto* k_words = reinterpret_cast<const uint32_t*>(k_cache + offset);
     const int64_t word_stride = token_stride * static_cast<int64_t>(sizeof(T)) / 4;
     for (int64_t cb = 0; cb < kWords / N; ++cb)
-      transpose_words(k_words + cb * N, word_stride, n, words + cb * N * N);
+      for (int h = 0; h < NC; ++h)
+        transpose_words(k_words + h * N * word_stride + cb * N, word_stride,
+                        std::clamp<int64_t>(n - h * N, 0, N), words + cb * N * kKeys + h * N,
+                        kKeys);
     if constexpr (kDot<T>) {
 #if defined(__AVX512BF16__)
       scores_bf16<D>(qw, words, rows8, s);
@@ -303,10 +323,10 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
       // bf16 pairs to fp32: element 2j is a word's low half, 2j + 1 its high half.
       auto* bits = reinterpret_cast<uint32_t*>(kt);
 #pragma omp simd
-      for (int64_t i = 0; i < kWords * N; ++i) {
-        const int64_t j = i / N, t = i % N;
-        bits[(2 * j) * N + t] = words[i] << 16;
-        bits[(2 * j + 1) * N + t] = words[i] & 0xffff0000u;
+      for (int64_t i = 0; i < kWords * kKeys; ++i) {
+        const int64_t j = i / kKeys, t = i % kKeys;
+        bits[(2 * j) * kKeys + t] = words[i] << 16;
+        bits[(2 * j + 1) * kKeys + t] = words[i] & 0xffff0000u;
       }
       scores_fp32<D>(qf, kt, rows8, s);
     }
@@ -315,15 +335,17 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
       const int64_t pos = tile.first_pos + r / tile.group;
       const int64_t vis = r < valid ? std::clamp<int64_t>(pos - c0 + 1, 0, n) : 0;
       visible[r] = vis;
-      float* sr = s + r * N;
+      float* sr = s + r * kKeys;
       if (vis == 0) {
-        std::fill(sr, sr + N, 0.0f);
+        std::fill(sr, sr + kKeys, 0.0f);
         row_max[r] = m[r];  // rescale by exp(0) = 1: the row is unchanged
         continue;
       }
-      (Vec::load(sr) * scale_v).store(sr);
-      for (int64_t t = vis; t < N; ++t) sr[t] = -INFINITY;
-      row_max[r] = std::max(m[r], Vec::load(sr).max());
+      for (int c = 0; c < NC; ++c) (Vec::load(sr + c * N) * scale_v).store(sr + c * N);
+      for (int64_t t = vis; t < kKeys; ++t) sr[t] = -INFINITY;
+      Vec mx = Vec::load(sr);
+      for (int c = 1; c < NC; ++c) mx = Vec::max(mx, Vec::load(sr + c * N));
+      row_max[r] = std::max(m[r], mx.max());
     }
     for (int64_t r = 0; r < rows_n; r += N) {
       const Vec old = Vec::load(m + r), now = Vec::load(row_max + r);
@@ -332,11 +354,14 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
     }
     for (int64_t r = 0; r < rows_n; ++r) {
       if (visible[r] == 0) continue;
-      float* sr = s + r * N;
-      (Vec::load(sr) - Vec::set1(m[r])).exp().store(sr);
-      for (int64_t t = visible[r]; t < N; ++t) sr[t] = 0.0f;
+      float* sr = s + r * kKeys;
+      const Vec mr = Vec::set1(m[r]);
+      for (int c = 0; c < NC; ++c) (Vec::load(sr + c * N) - mr).exp().store(sr + c * N);
+      for (int64_t t = visible[r]; t < kKeys; ++t) sr[t] = 0.0f;
       // Row sums stay N partial sums until the end: no horizontal add per chunk.
-      (Vec::load(lsum + r * N) * Vec::set1(corr[r]) + Vec::load(sr)).store(lsum + r * N);
+      Vec sum = Vec::load(lsum + r * N) * Vec::set1(corr[r]);
+      for (int c = 0; c < NC; ++c) sum = sum + Vec::load(sr + c * N);
+      sum.store(lsum + r * N);
     }
     if constexpr (kDot<T>) {
 #if defined(__AVX512BF16__)
