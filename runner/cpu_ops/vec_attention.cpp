@@ -305,7 +305,7 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
     const int64_t in = c0 % block_size;
     const int64_t n = std::min({kKeys, block_size - in, last + 1 - c0});
     const int64_t offset = table[c0 / block_size] * block_stride + in * token_stride + kvh * D;
-    // Scores: the chunk's keys transposed, then one vector of N scores per row.
+    // Scores: the chunk's keys transposed, then NC vectors of scores per row.
     const auto* k_words = reinterpret_cast<const uint32_t*>(k_cache + offset);
     const int64_t word_stride = token_stride * static_cast<int64_t>(sizeof(T)) / 4;
     for (int64_t cb = 0; cb < kWords / N; ++cb)
