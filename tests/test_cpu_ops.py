@@ -146,10 +146,8 @@ def test_long_contexts_are_attended_in_splits_that_merge_exactly(head_dim, block
         [n - 1 for n in lens], [1] * len(lens), tables, block_size, CPU
     )
     want = TorchAttentionBackend().forward(q.float(), kv.float(), meta, head_dim**-0.5)
-    padded = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.long)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t)
-    lengths = torch.tensor(lens)
+    (rows,) = meta.groups  # one decode group, in order: its padded tables and lengths
+    padded, lengths = rows.block_tables, rows.seq_lens
     op = torch.ops.headrace.paged_decode_attention
     got = op(q, kv, padded, lengths, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
