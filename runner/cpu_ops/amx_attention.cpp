@@ -67,104 +67,161 @@ void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table
   }
 }
 
-// One tile of up to 16 query rows (positions first_pos ..) of one head.
-void query_tile(const uint16_t* q, int64_t q_row_stride, int64_t rows, int64_t first_pos,
-                const uint16_t* keys, const uint16_t* values, int64_t dim, float scale,
-                uint16_t* out, int64_t out_row_stride) {
-  // Sized for the widest head; only the first kRows * dim entries are used (and cleared:
-  // clearing all of them cost 24 KB of stores per tile).
+// One head's running state over a tile of up to 16 query rows. Sized for the widest head;
+// only the first kRows * dim entries of qbuf and acc are used (and cleared: clearing all of
+// them cost 24 KB of stores per tile).
+struct HeadState {
   alignas(64) uint16_t qbuf[kRows * 256];
   alignas(64) uint16_t pbuf[kRows * kChunk];
   alignas(64) float sbuf[kRows * kChunk];
   alignas(64) float pv[kRows * 32];
   alignas(64) float acc[kRows * 256];
-  alignas(64) float m[kRows], corr[kRows], lsum[kRows * 16] = {};
-  for (int64_t r = 0; r < kRows; ++r) m[r] = -INFINITY;
-  std::memset(acc, 0, rows * dim * sizeof(float));
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(qbuf + r * dim, q + r * q_row_stride, dim * sizeof(uint16_t));
-  std::memset(qbuf + rows * dim, 0, (kRows - rows) * dim * sizeof(uint16_t));
+  alignas(64) float m[kRows], corr[kRows], lsum[kRows * 16];
+};
+
+// Online softmax of one chunk's scores (in sbuf): keys a row may not see get exactly 0.
+// First the scaled, masked scores and each row's max; then every row's rescale factor in
+// one vector exp; then the probabilities, rounded to bf16 into pbuf.
+void softmax_chunk(HeadState& st, int64_t rows, const __mmask16* lo_mask,
+                   const __mmask16* hi_mask, __m512 scale_v) {
+  alignas(64) float row_max[kRows];
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* sr = st.sbuf + r * kChunk;
+    const __m512 s0 = _mm512_mask_mul_ps(neg, lo_mask[r], _mm512_load_ps(sr), scale_v);
+    const __m512 s1 = _mm512_mask_mul_ps(neg, hi_mask[r], _mm512_load_ps(sr + 16), scale_v);
+    _mm512_store_ps(sr, s0);
+    _mm512_store_ps(sr + 16, s1);
+    row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  }
+  const __m512 m_old = _mm512_load_ps(st.m);
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_load_ps(row_max));
+  // Padding rows keep m = -inf: their factor is irrelevant (nothing is accumulated).
+  _mm512_store_ps(st.corr, headrace::exp16(_mm512_sub_ps(m_old, m_new)));
+  _mm512_store_ps(st.m, m_new);
+  for (int64_t r = 0; r < kRows; ++r) {
+    const float* sr = st.sbuf + r * kChunk;
+    const __m512 mv = _mm512_set1_ps(r < rows ? st.m[r] : 0.0f);
+    const __m512 e0 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr), mv));
+    const __m512 e1 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr + 16), mv));
+    const __m512 p0 = _mm512_maskz_mov_ps(lo_mask[r], e0);
+    const __m512 p1 = _mm512_maskz_mov_ps(hi_mask[r], e1);
+    // Row sums stay 16 partial sums until the end: no horizontal add per chunk.
+    _mm512_store_ps(st.lsum + r * 16, _mm512_fmadd_ps(_mm512_load_ps(st.lsum + r * 16),
+                                                      _mm512_set1_ps(st.corr[r]),
+                                                      _mm512_add_ps(p0, p1)));
+    _mm512_store_si512(st.pbuf + r * kChunk, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+}
+
+// acc = acc * corr + pv for 32 of a head's dims (16 * c ..) in every row.
+void rescale_add(HeadState& st, int64_t rows, int64_t dim, int64_t c) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 cr = _mm512_set1_ps(st.corr[r]);
+    float* a = st.acc + r * dim + 16 * c;
+    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), cr, _mm512_load_ps(st.pv + r * 32)));
+    _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_load_ps(a + 16), cr,
+                                            _mm512_load_ps(st.pv + r * 32 + 16)));
+  }
+}
+
+// One tile of up to 16 query rows (positions first_pos ..) of NH (1 or 2) heads that share
+// a KV head. Two heads go through each step together: the key and value tiles are loaded
+// once for both, and four tile products instead of two are in flight before a store has to
+// wait for one (the products' latency was ~40% of this loop with one head). Tiles: head h's
+// queries, then its probabilities, in tile 3h; its scores, then its value products, in
+// 4 + 2h and 5 + 2h; keys and values in 1 and 2.
+template <int NH>
+void query_tiles(const uint16_t* const* q, int64_t q_row_stride, int64_t rows, int64_t first_pos,
+                 const uint16_t* keys, const uint16_t* values, int64_t dim, float scale,
+                 uint16_t* const* out, int64_t out_row_stride) {
+  static_assert(NH == 1 || NH == 2);
+  HeadState st[NH];
+  for (HeadState& h : st) {
+    for (int64_t r = 0; r < kRows; ++r) h.m[r] = -INFINITY;
+    std::memset(h.lsum, 0, sizeof(h.lsum));
+    std::memset(h.acc, 0, rows * dim * sizeof(float));
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(st[h].qbuf + r * dim, q[h] + r * q_row_stride, dim * sizeof(uint16_t));
+    std::memset(st[h].qbuf + rows * dim, 0, (kRows - rows) * dim * sizeof(uint16_t));
+  }
   const int64_t last_key = first_pos + rows - 1;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t chunk = 0; chunk * kChunk <= last_key; ++chunk) {
-    // Scores of the chunk's two groups of 16 keys: tiles 4 and 5.
+    // Scores of the chunk's two groups of 16 keys.
     _tile_zero(4);
     _tile_zero(5);
+    if constexpr (NH == 2) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
     for (int64_t s = 0; s < dim / 32; ++s) {
-      _tile_loadd(0, qbuf + 32 * s, dim * 2);
+      _tile_loadd(0, st[0].qbuf + 32 * s, dim * 2);
+      if constexpr (NH == 2) _tile_loadd(3, st[NH - 1].qbuf + 32 * s, dim * 2);
       _tile_loadd(1, keys + ((2 * chunk) * (dim / 32) + s) * kTile, 64);
       _tile_loadd(2, keys + ((2 * chunk + 1) * (dim / 32) + s) * kTile, 64);
       _tile_dpbf16ps(4, 0, 1);
       _tile_dpbf16ps(5, 0, 2);
+      if constexpr (NH == 2) {
+        _tile_dpbf16ps(6, 3, 1);
+        _tile_dpbf16ps(7, 3, 2);
+      }
     }
-    _tile_stored(4, sbuf, kChunk * 4);
-    _tile_stored(5, sbuf + 16, kChunk * 4);
-    // Online softmax; keys past a row's position are masked out (exactly 0). First the
-    // scaled, masked scores and each row's max; then every row's rescale factor in one
-    // vector exp; then the probabilities.
-    alignas(64) float row_max[kRows];
+    _tile_stored(4, st[0].sbuf, kChunk * 4);
+    _tile_stored(5, st[0].sbuf + 16, kChunk * 4);
+    if constexpr (NH == 2) {
+      _tile_stored(6, st[NH - 1].sbuf, kChunk * 4);
+      _tile_stored(7, st[NH - 1].sbuf + 16, kChunk * 4);
+    }
+    // Keys of this chunk row r may see (0 for padding rows and rows before the chunk).
     __mmask16 lo_mask[kRows], hi_mask[kRows];
-    const __m512 neg = _mm512_set1_ps(-INFINITY);
     for (int64_t r = 0; r < kRows; ++r) {
-      // Keys of this chunk row r may see (0 for padding rows and rows before the chunk).
       const int64_t visible =
           r < rows ? std::clamp<int64_t>(first_pos + r - chunk * kChunk + 1, 0, kChunk) : 0;
       lo_mask[r] = visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
       hi_mask[r] = visible <= 16 ? 0 : static_cast<__mmask16>((1u << (visible - 16)) - 1);
       if (visible == 32) hi_mask[r] = 0xFFFF;
-      float* sr = sbuf + r * kChunk;
-      const __m512 s0 = _mm512_mask_mul_ps(neg, lo_mask[r], _mm512_load_ps(sr), scale_v);
-      const __m512 s1 = _mm512_mask_mul_ps(neg, hi_mask[r], _mm512_load_ps(sr + 16), scale_v);
-      _mm512_store_ps(sr, s0);
-      _mm512_store_ps(sr + 16, s1);
-      row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
     }
-    const __m512 m_old = _mm512_loadu_ps(m);
-    const __m512 m_new = _mm512_max_ps(m_old, _mm512_load_ps(row_max));
-    // Padding rows keep m = -inf: their factor is irrelevant (nothing is accumulated).
-    _mm512_storeu_ps(corr, headrace::exp16(_mm512_sub_ps(m_old, m_new)));
-    _mm512_storeu_ps(m, m_new);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const float* sr = sbuf + r * kChunk;
-      const __m512 mv = _mm512_set1_ps(r < rows ? m[r] : 0.0f);
-      const __m512 e0 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr), mv));
-      const __m512 e1 = headrace::exp16(_mm512_sub_ps(_mm512_load_ps(sr + 16), mv));
-      const __m512 p0 = _mm512_maskz_mov_ps(lo_mask[r], e0);
-      const __m512 p1 = _mm512_maskz_mov_ps(hi_mask[r], e1);
-      // Row sums stay 16 partial sums until the end: no horizontal add per chunk.
-      _mm512_store_ps(lsum + r * 16, _mm512_fmadd_ps(_mm512_load_ps(lsum + r * 16),
-                                                     _mm512_set1_ps(corr[r]),
-                                                     _mm512_add_ps(p0, p1)));
-      _mm512_store_si512(pbuf + r * kChunk, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    // Values: P (16 x 32 keys) times each 32-key x 16-dim value tile, two at a time (tiles
-    // 4 and 5) so that one product's latency hides behind the other's.
-    _tile_loadd(0, pbuf, kChunk * 2);
+    for (HeadState& h : st) softmax_chunk(h, rows, lo_mask, hi_mask, scale_v);
+    // Values: P (16 x 32 keys) times each 32-key x 16-dim value tile, two at a time.
+    _tile_loadd(0, st[0].pbuf, kChunk * 2);
+    if constexpr (NH == 2) _tile_loadd(3, st[NH - 1].pbuf, kChunk * 2);
     for (int64_t c = 0; c < dim / 16; c += 2) {
       _tile_zero(4);
       _tile_zero(5);
+      if constexpr (NH == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+      }
       _tile_loadd(1, values + (chunk * (dim / 16) + c) * kTile, 64);
       _tile_loadd(2, values + (chunk * (dim / 16) + c + 1) * kTile, 64);
       _tile_dpbf16ps(4, 0, 1);
       _tile_dpbf16ps(5, 0, 2);
-      _tile_stored(4, pv, 128);
-      _tile_stored(5, pv + 16, 128);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512 cr = _mm512_set1_ps(corr[r]);
-        float* a = acc + r * dim + 16 * c;
-        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), cr, _mm512_load_ps(pv + r * 32)));
-        _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_load_ps(a + 16), cr,
-                                                _mm512_load_ps(pv + r * 32 + 16)));
+      if constexpr (NH == 2) {
+        _tile_dpbf16ps(6, 3, 1);
+        _tile_dpbf16ps(7, 3, 2);
       }
+      _tile_stored(4, st[0].pv, 128);
+      _tile_stored(5, st[0].pv + 16, 128);
+      if constexpr (NH == 2) {
+        _tile_stored(6, st[NH - 1].pv, 128);
+        _tile_stored(7, st[NH - 1].pv + 16, 128);
+      }
+      for (HeadState& h : st) rescale_add(h, rows, dim, c);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lsum + r * 16)));
-    for (int64_t c = 0; c < dim / 16; ++c)
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(out + r * out_row_stride + 16 * c),
-          headrace::to_bf16(_mm512_mul_ps(_mm512_load_ps(acc + r * dim + 16 * c), inv)));
-  }
+  for (int h = 0; h < NH; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* acc = st[h].acc + r * dim;
+      const __m512 inv =
+          _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(st[h].lsum + r * 16)));
+      for (int64_t c = 0; c < dim / 16; ++c)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out[h] + r * out_row_stride + 16 * c),
+            headrace::to_bf16(_mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inv)));
+    }
 }
 
 #endif  // HEADRACE_AMX
@@ -211,7 +268,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
     }
     const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
     pack_offset[b + 1] = pack_offset[b] + chunks * kChunk * dim * kv_heads;
-    tile_offset[b + 1] = tile_offset[b] + (counts[b] + kRows - 1) / kRows * heads;
+    tile_offset[b + 1] = tile_offset[b] + (counts[b] + kRows - 1) / kRows * kv_heads;
   }
 #if HEADRACE_AMX
   const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
@@ -237,20 +294,47 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t group = heads / kv_heads, q_stride = q.stride(0), row_stride = heads * dim;
-  at::parallel_for(0, tile_offset[batch], 1, [&](int64_t begin, int64_t end) {
+  // Units: (request, KV head, tile of 16 rows), each the heads sharing that KV head. A
+  // thread takes a contiguous run of units holding its share of the work (a tile's chunks up
+  // to its causal limit): split in equal counts, one long prompt left the thread with its
+  // later rows three quarters of the work; taken one at a time from a shared counter, short
+  // prompts ran 10-25% slower (each thread read the other's packed keys, and the counter's
+  // line moved between cores every unit).
+  std::vector<int64_t> work(tile_offset[batch] + 1, 0);
+  for (int64_t b = 0, unit = 0; b < batch; ++b) {
+    const int64_t tiles = (tile_offset[b + 1] - tile_offset[b]) / kv_heads;
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t t = 0; t < tiles; ++t, ++unit) {
+        const int64_t last_key = lens[b] - counts[b] + std::min(counts[b], (t + 1) * kRows) - 1;
+        work[unit + 1] = work[unit] + last_key / kChunk + 2;  // + 2: a tile's fixed cost
+      }
+  }
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     headrace::load_tile_config(16, 64);
-    for (int64_t unit = begin; unit < end; ++unit) {
+    const auto unit_at = [&](int64_t t) {
+      return std::lower_bound(work.begin(), work.end(), work.back() * t / threads) -
+             work.begin();
+    };
+    for (int64_t unit = unit_at(begin), last = unit_at(end); unit < last; ++unit) {
       const int64_t b = std::upper_bound(tile_offset.begin(), tile_offset.end(), unit) -
                         tile_offset.begin() - 1;
-      const int64_t local = unit - tile_offset[b], head = local % heads;
-      const int64_t first = local / heads * kRows, kvh = head / group;
+      const int64_t local = unit - tile_offset[b];
+      const int64_t tiles = (tile_offset[b + 1] - tile_offset[b]) / kv_heads;
+      const int64_t kvh = local / tiles, first = local % tiles * kRows;
       const int64_t rows = std::min(kRows, counts[b] - first);
       const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
       const int64_t row0 = starts[b] + first;
-      query_tile(qp + row0 * q_stride + head * dim, q_stride, rows,
-                 lens[b] - counts[b] + first, keys + at, values + at, dim,
-                 static_cast<float>(scale), op + row0 * row_stride + head * dim, row_stride);
+      for (int64_t head = kvh * group; head < (kvh + 1) * group; head += 2) {
+        const uint16_t* qh[2] = {qp + row0 * q_stride + head * dim,
+                                 qp + row0 * q_stride + (head + 1) * dim};
+        uint16_t* oh[2] = {op + row0 * row_stride + head * dim,
+                           op + row0 * row_stride + (head + 1) * dim};
+        const auto tiles_of = head + 1 < (kvh + 1) * group ? query_tiles<2> : query_tiles<1>;
+        tiles_of(qh, q_stride, rows, lens[b] - counts[b] + first, keys + at, values + at, dim,
+                 static_cast<float>(scale), oh, row_stride);
+      }
     }
     _tile_release();
   });
