@@ -97,6 +97,8 @@ def weight_bytes(m: Linear, rows: int) -> int:
         return m.out_features * m.in_features * ONEDNN_DTYPES[kernel].itemsize
     if kernel == "int8":
         return m.out_features * m.in_features
+    if kernel == "amx_bf16" and m._amx is not None:
+        return m._amx.tiles.numel() * 2
     return m.weight.numel() * m.weight.element_size()
 
 

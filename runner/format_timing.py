@@ -1,7 +1,8 @@
-"""Start-up timings that choose a linear's format: oneDNN's fp32 GEMM against MKL's, int8
-against the float format, and up to how many rows the small-batch int8 copies serve
-(`small_rows`). runner/platform.py decides with them; runner/batched_rows.py and
-runner/cpu_prefill.py time their own choices with `best_of_interleaved`."""
+"""Start-up timings that choose a linear's format: oneDNN's fp32 GEMM against MKL's, the
+AMX tile GEMM against oneDNN's bf16 one, int8 against the float format, and up to how many
+rows the small-batch int8 copies serve (`small_rows`). runner/platform.py decides with
+them; runner/batched_rows.py and runner/cpu_prefill.py time their own choices with
+`best_of_interleaved`."""
 
 from __future__ import annotations
 
@@ -68,6 +69,25 @@ def _forward_totals(
     return totals
 
 
+def _own_format_totals(
+    shapes: Sequence[LinearShape], formats: Sequence[str], dtype: torch.dtype,
+    rows: Sequence[int], reps: int,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds one forward's linears take in each of `formats`, at each of `rows`."""
+
+    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
+        inputs = [torch.randn(n, shape.in_features, dtype=dtype) for n in rows]
+        out = {}
+        for name in formats:
+            layer = Linear(shape.in_features, shape.out_features, bias=False)
+            layer.weight.data = weight.to(dtype).clone()
+            layer.pack(name)
+            out[name] = _calls(layer, inputs)
+        return out
+
+    return _forward_totals(shapes, runs, reps)
+
+
 def onednn_f32_beats_float(
     linears: Sequence[LinearShape] = (),
     rows: Sequence[int] = (64, 256),
@@ -84,18 +104,7 @@ def onednn_f32_beats_float(
     from memory); on other CPUs either may win, hence the timing.
     """
     shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
-
-    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
-        inputs = [torch.randn(n, shape.in_features) for n in rows]
-        out = {}
-        for name in ("float", "onednn_f32"):
-            layer = Linear(shape.in_features, shape.out_features, bias=False)
-            layer.weight.data = weight.clone()
-            layer.pack(name)
-            out[name] = _calls(layer, inputs)
-        return out
-
-    totals = _forward_totals(shapes, runs, reps)
+    totals = _own_format_totals(shapes, ("float", "onednn_f32"), torch.float32, rows, reps)
     log.info(
         "fp32 GEMM micro-benchmark (%d layer shapes, rows %s): oneDNN %.2f ms, MKL %.2f ms",
         len(shapes),
@@ -104,6 +113,32 @@ def onednn_f32_beats_float(
         totals["float"] * 1e3,
     )
     return totals["onednn_f32"] <= margin * totals["float"]
+
+
+def amx_gemm_beats_onednn(
+    linears: Sequence[LinearShape] = (),
+    rows: Sequence[int] = (128, 512, 1024, 2048),
+    reps: int = 3,
+    margin: float = 0.95,
+) -> bool:
+    """Micro-benchmark at start-up: the model's linear shapes at prompt-chunk row counts in
+    bf16, through oneDNN's prepacked GEMM and through the AMX tile kernel (amx_bf16); the
+    tiles must take `margin` of oneDNN's time or less.
+
+    NOTE: on a Sapphire Rapids-class guest (2 cores) oneDNN ran SmolLM2's shapes at 2.2-2.6
+    TFLOP/s at most row counts but at ~1.2 (one core's rate) at others: QKV at 768-1024
+    rows, o_proj at 512, down at 256-1280; the tiles ran 1.7-2.6 at every count.
+    """
+    shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
+    totals = _own_format_totals(shapes, ("onednn", "amx_bf16"), torch.bfloat16, rows, reps)
+    log.info(
+        "bf16 GEMM micro-benchmark (%d layer shapes, rows %s): AMX tiles %.2f ms, oneDNN %.2f ms",
+        len(shapes),
+        list(rows),
+        totals["amx_bf16"] * 1e3,
+        totals["onednn"] * 1e3,
+    )
+    return totals["amx_bf16"] <= margin * totals["onednn"]
 
 
 def int8_beats_float(

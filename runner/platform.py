@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.format_timing import int8_beats_float, measure_small_rows, onednn_f32_beats_float
+from runner.format_timing import (
+    amx_gemm_beats_onednn,
+    int8_beats_float,
+    measure_small_rows,
+    onednn_f32_beats_float,
+)
 from runner.layers.linear import (
     Linear,
     LinearShape,
@@ -137,12 +142,12 @@ class Platform:
     device: torch.device
     dtype: torch.dtype
     # Linear weight format: "float" (F.linear), "onednn" (prepacked bf16), "onednn_f32"
-    # (prepacked fp32) or "int8".
+    # (prepacked fp32), "amx_bf16" (bf16 AMX tiles) or "int8".
     weight_format: str
     int8_kernel: str | None = None
     # The format of layers that stay float when the rest is int8 (see Linear.int8_inputs):
-    # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16, else "onednn_f32"
-    # where it timed faster, else "float".
+    # "onednn" (bf16 weights, inputs cast) where the CPU has native bf16 ("amx_bf16" where
+    # AMX's tiles timed faster), else "onednn_f32" where it timed faster, else "float".
     float_format: str = "float"
     int8_reduce_range: bool = False
     # The layout of the weight-only int8 copies to try for few-row calls (None: none);
@@ -250,12 +255,13 @@ def select_platform(
     linears: Sequence[LinearShape] = (),
     deterministic: bool = False,
     onednn_f32_faster: Callable[[], bool] | None = None,
+    amx_gemm_faster: Callable[[], bool] | None = None,
 ) -> Platform:
     """Choose dtype and weight format for `device`. `linears` are the model's layer shapes
-    for the micro-benchmarks; `features`, `int8_faster` and `onednn_f32_faster` are
-    injectable so tests can force every branch on any machine. `deterministic` keeps one
-    linear path for every batch size (no small-batch int8 copies, F.linear for fp32;
-    runner/batch_invariance.py)."""
+    for the micro-benchmarks; `features`, `int8_faster`, `onednn_f32_faster` and
+    `amx_gemm_faster` are injectable so tests can force every branch on any machine.
+    `deterministic` keeps one linear path for every batch size (no small-batch int8 copies,
+    F.linear for fp32; runner/batch_invariance.py)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
@@ -287,6 +293,14 @@ def select_platform(
         reasons.append(
             f"fp32 linears -> {'oneDNN' if faster else 'F.linear (MKL)'} "
             f"(oneDNN {'' if faster else 'not '}at least 5% faster at prompt rows)"
+        )
+    if float_format == "onednn" and auto and _amx_kernels_usable(feats):
+        timed = amx_gemm_faster or (lambda: amx_gemm_beats_onednn(linears))
+        faster = timed()
+        float_format = "amx_bf16" if faster else "onednn"
+        reasons.append(
+            f"bf16 linears -> {'AMX tiles' if faster else 'oneDNN'} (the tiles "
+            f"{'' if faster else 'not '}at least 5% faster at prompt rows)"
         )
     # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
     # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
@@ -338,6 +352,15 @@ def select_platform(
     )
 
 
+def _amx_kernels_usable(feats: CpuFeatures) -> bool:
+    """Whether this CPU has AMX and our kernels built with it and may use it."""
+    if not feats.amx_bf16:
+        return False
+    from runner.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops() is None and bool(torch.ops.headrace.amx_usable())
+
+
 def _float_copies(
     feats: CpuFeatures,
     chosen: torch.dtype,
@@ -360,7 +383,7 @@ def _float_copies(
     if load_cpu_ops() is not None:
         return None, None
     # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
-    if chosen == torch.bfloat16 and feats.amx_bf16 and torch.ops.headrace.amx_usable():
+    if chosen == torch.bfloat16 and _amx_kernels_usable(feats):
         return "amx", None
     from runner.layers.batched_int8 import AUTO_KERNELS, batched_kernels
 

@@ -47,6 +47,7 @@ SOURCES = (
     "paged_attention.cpp",
     "int8_linear.cpp",
     "amx_linear.cpp",
+    "amx_gemm.cpp",
     "amx_attention.cpp",
     "elementwise.cpp",
     "vec_attention.cpp",

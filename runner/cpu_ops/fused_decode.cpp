@@ -26,6 +26,7 @@
 //   kOnednn   oneDNN weight, bias (bf16 or fp32) (mkldnn _linear_pointwise, inputs cast to
 //             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
+//   kAmxBf16  bf16 AMX tiles, fp32 bias         (amx_bf16_linear, inputs cast to bf16)
 // Each linear's N comes from the model's shape (heads, head_dim, hidden, intermediate), not
 // from its weights, so a kernel whose blocks pad N needs no case of its own.
 
@@ -45,7 +46,16 @@ namespace {
 using namespace headrace::ops;
 
 constexpr int64_t kLinears = 4, kSlots = 3, kPerLayer = 2 + kLinears * kSlots;
-enum Kind : int64_t { kRows = 0, kAmx = 1, kDot = 2, kWiden = 3, kOnednn = 4, kDense = 5, kQ4 = 6 };
+enum Kind : int64_t {
+  kRows = 0,
+  kAmx = 1,
+  kDot = 2,
+  kWiden = 3,
+  kOnednn = 4,
+  kDense = 5,
+  kQ4 = 6,
+  kAmxBf16 = 7
+};
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
@@ -80,6 +90,9 @@ at::Tensor linear_of_kind(const at::Tensor& x, const at::Tensor* w, int64_t kind
       return onednn_linear(x, w[0], w[1]);
     case kDense:
       return at::linear(x, w[0], optional_of(w[1]));
+    case kAmxBf16:
+      return amx_bf16_linear(x.to(at::kBFloat16), w[0], optional_of(w[1]), n)
+          .to(x.scalar_type());
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }

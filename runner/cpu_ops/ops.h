@@ -17,6 +17,10 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t n_dim);
 
+// amx_gemm.cpp
+at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& tiles,
+                           const c10::optional<at::Tensor>& bias, int64_t n_dim);
+
 // batched_int8.cpp
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,

@@ -9,6 +9,10 @@ onednn   bf16 weight reordered once into oneDNN's blocked layout (AMX / AVX512-B
 onednn_f32  fp32 weight in oneDNN's blocked layout: the same numbers as float through
          oneDNN's own fp32 GEMM, which beat MKL's F.linear by 1.14-1.24x on prompt rows on
          Zen 1 (AMD); chosen by a start-up timing (runner/format_timing.py)
+amx_bf16 bf16 weight in AMX tiles for runner/cpu_ops/amx_gemm.cpp: the same products as
+         onednn, with the output channels split evenly over the threads at every row
+         count (oneDNN's split idled one of two cores at some prompt row counts); chosen
+         by a start-up timing where the CPU has AMX (runner/format_timing.py)
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -41,7 +45,7 @@ from torch import nn
 from runner.layers.batched_int8 import BatchedInt8
 from runner.layers.q4_blocks import Q4Blocks
 
-FORMATS = ("float", "onednn", "onednn_f32", "int8")
+FORMATS = ("float", "onednn", "onednn_f32", "amx_bf16", "int8")
 # The formats whose weight oneDNN holds, by the dtype it was reordered in.
 ONEDNN_DTYPES = {"onednn": torch.bfloat16, "onednn_f32": torch.float32}
 INT8_KERNELS = ("fbgemm", "int_mm")
@@ -139,6 +143,34 @@ class Int8Weight:
 
 
 @dataclass(slots=True)
+class AmxBf16Weight:
+    """A [N, K] weight as bf16 AMX tiles (amx_pack_bf16's layout) and an fp32 bias."""
+
+    tiles: torch.Tensor  # [ceil(N/16), ceil(K/32), 512] bf16
+    bias: torch.Tensor | None  # [N] fp32
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None) -> AmxBf16Weight:
+        tiles = torch.ops.headrace.amx_pack_bf16(w.detach().to(torch.bfloat16))
+        b = None if bias is None else bias.detach().float()
+        return cls(tiles, b, w.shape[0], w.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, K] float -> [M, N] bf16 (inputs rounded to bf16, as oneDNN's bf16 format)."""
+        return torch.ops.headrace.amx_bf16_linear(
+            x.to(torch.bfloat16), self.tiles, self.bias, self.out_features
+        )
+
+    def dense(self) -> torch.Tensor:
+        """[N, K] bf16: the tiles read back (tile rows hold 16 channels x 2 inputs)."""
+        nt, kt, _ = self.tiles.shape
+        w = self.tiles.view(nt, kt, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(nt * 16, kt * 32)
+        return w[: self.out_features, : self.in_features].contiguous()
+
+
+@dataclass(slots=True)
 class SmallBatchInt8:
     """A weight-only int8 copy of a [N, K] weight (per-channel scales, activations stay
     float), laid out for the "rows" GEMV or the "amx" tile kernel."""
@@ -180,6 +212,7 @@ class Linear(nn.Linear):
         self._onednn: torch.Tensor | None = None
         self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
+        self._amx: AmxBf16Weight | None = None
         # Weight-only int8 copy used for calls of <= small_rows rows.
         self._small: SmallBatchInt8 | None = None
         self.small_rows = 0
@@ -226,6 +259,8 @@ class Linear(nn.Linear):
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
             if self.bias is not None:
                 self._onednn_bias = self.bias.detach().to(dtype)
+        elif fmt == "amx_bf16":
+            self._amx = AmxBf16Weight.from_weight(w, self.bias)
         else:
             kernel = int8_kernel or default_int8_kernel()
             self._int8 = Int8Weight.quantize(w, kernel, reduce_range)
@@ -239,6 +274,8 @@ class Linear(nn.Linear):
         if self.format in ONEDNN_DTYPES:
             assert self._onednn is not None
             return self._onednn.to_dense()
+        if self._amx is not None:
+            return self._amx.dense()
         return None if self.weight is None else self.weight.detach()
 
     @property
@@ -280,7 +317,7 @@ class Linear(nn.Linear):
         format is dead weight (on Zen 1 SmolLM2's decoder in oneDNN fp32: 424 MB)."""
         if self._batched is None:
             raise RuntimeError("no batched copy to serve in the own format's place")
-        self._onednn = self._onednn_bias = self._int8 = None
+        self._onednn = self._onednn_bias = self._int8 = self._amx = None
         self.weight = None  # type: ignore[assignment]
         self.format = "batched"
 
@@ -315,7 +352,9 @@ class Linear(nn.Linear):
             return y.view(*lead, y.shape[-1])
         if self.format == "float":
             return F.linear(x, self.weight, self.bias)
-        if self.format in ONEDNN_DTYPES:
+        if self._amx is not None:
+            y = self._amx(x2).to(x.dtype)
+        elif self.format in ONEDNN_DTYPES:
             assert self._onednn is not None
             y = torch.ops.mkldnn._linear_pointwise(
                 x2.to(self._onednn.dtype), self._onednn, self._onednn_bias, "none", [], ""

@@ -34,7 +34,7 @@ from runner.models.rope import RopeAt
 from runner.step_interrupt import StepInterrupt, StepInterrupted
 
 # decode_layers' linear kinds (fused_decode.cpp's Kind).
-ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE, Q4 = range(7)
+ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE, Q4, AMX_BF16 = range(8)
 _EMPTY = torch.empty(0)
 
 
@@ -64,6 +64,9 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
         return DOT if kernel == "dot" else WIDEN, _slots(b.packed, b.scale, m.bias)
     if kernel in ONEDNN_DTYPES:
         return ONEDNN, _slots(m._onednn, m._onednn_bias)
+    if kernel == "amx_bf16":
+        assert m._amx is not None
+        return AMX_BF16, _slots(m._amx.tiles, m._amx.bias)
     if kernel == "float":
         return DENSE, _slots(m.weight, m.bias)
     return None  # padded calls and the dynamic int8 format keep the layer path

@@ -1,0 +1,131 @@
+"""The bf16 AMX tile GEMM (runner/cpu_ops/amx_gemm.cpp) and the "amx_bf16" Linear format:
+the op against the float product, the format's layer path and fused decode path, and the
+platform's timed choice of it over oneDNN."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_fused_decode import build, equal_steps
+from test_linear_formats import AMX, CPU, ZEN3
+
+from runner.cpu_ops import load_cpu_ops
+from runner.format_timing import amx_gemm_beats_onednn
+from runner.layers.linear import Linear, LinearShape, onednn_bf16_available
+from runner.models.fused_decode import AMX_BF16
+from runner.platform import select_platform
+
+AMX_HERE = load_cpu_ops() is None and bool(torch.ops.headrace.amx_usable())
+needs_amx = pytest.mark.skipif(not AMX_HERE, reason="no usable AMX here")
+
+
+def test_pack_lays_out_pair_interleaved_bf16_tiles():
+    w = torch.randn(37, 70).bfloat16()
+    tiles = torch.ops.headrace.amx_pack_bf16(w)
+    assert tiles.shape == (3, 3, 512) and tiles.dtype == torch.bfloat16
+    padded = torch.zeros(48, 96, dtype=torch.bfloat16)
+    padded[:37, :70] = w
+    # Tile (n, k), row p: channels n*16.. each with inputs k*32 + 2p and + 2p + 1.
+    want = padded.view(3, 16, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(3, 3, 512)
+    assert torch.equal(tiles, want)
+
+
+def test_the_op_computes_the_bf16_product_or_says_why_not():
+    op = torch.ops.headrace.amx_bf16_linear
+    torch.manual_seed(2)
+    # SmolLM2's shapes (K = 576 in one slice of inputs, 1536 in three), edges off the tile
+    # grid, and one channel.
+    for n_dim, k_dim in ((960, 576), (576, 1536), (70, 40), (1, 96)):
+        w = torch.randn(n_dim, k_dim).bfloat16()
+        bias = torch.randn(n_dim)
+        tiles = torch.ops.headrace.amx_pack_bf16(w)
+        if not AMX_HERE:
+            with pytest.raises(RuntimeError, match="no usable AMX"):
+                op(torch.zeros(1, k_dim, dtype=torch.bfloat16), tiles, bias, n_dim)
+            continue
+        for rows in (1, 15, 16, 17, 33, 100, 300):  # ragged row tiles and 32-row steps
+            wide = torch.randn(rows, k_dim + 8).bfloat16()
+            x = wide[:, 3 : 3 + k_dim]  # rows apart by more than K: read in place
+            want = x.float() @ w.float().t() + bias
+            got = op(x, tiles, bias, n_dim)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n_dim)
+            torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max(), rtol=2e-2)
+            assert torch.equal(op(x.contiguous(), tiles, bias, n_dim), got)
+            # A row's answer is its own whatever shares its call (the split is by channels).
+            assert torch.equal(op(x[:1], tiles, bias, n_dim), got[:1])
+        no_bias = op(x, tiles, None, n_dim).float()
+        torch.testing.assert_close(no_bias, (got.float() - bias), atol=0.1, rtol=2e-2)
+        with pytest.raises(RuntimeError, match="columns, the tiles were packed for"):
+            op(torch.zeros(1, k_dim + 32, dtype=torch.bfloat16), tiles, bias, n_dim)
+        with pytest.raises(RuntimeError, match="n does not match"):
+            op(x, tiles, bias, n_dim + 16)
+        with pytest.raises(RuntimeError, match="x \\[M, K\\] bf16"):
+            op(x.float(), tiles, bias, n_dim)
+
+
+@needs_amx
+def test_the_format_serves_its_rows_and_reads_its_weight_back():
+    torch.manual_seed(0)
+    ref = Linear(96, 160, bias=True)
+    layer = Linear(96, 160, bias=True)
+    layer.load_state_dict(ref.state_dict())
+    layer.to(torch.bfloat16).pack("amx_bf16")
+    assert layer.weight is None and layer.format == "amx_bf16"
+    assert torch.equal(layer.float_weight(), ref.weight.bfloat16())  # read back exactly
+    for rows in (1, 7, 130):
+        x = torch.randn(2, rows, 96)
+        y = layer(x)  # fp32 in, rounded to bf16 for the tiles, back to fp32
+        assert y.shape == (2, rows, 160) and y.dtype == torch.float32
+        want = torch.ops.headrace.amx_bf16_linear(
+            x.reshape(-1, 96).bfloat16(), layer._amx.tiles, layer._amx.bias, 160
+        )
+        assert torch.equal(y.reshape(-1, 160), want.float())
+        torch.testing.assert_close(y, ref(x), atol=5e-2, rtol=2e-2)
+
+
+@needs_amx
+def test_amx_bf16_weights_fused():
+    model = build(torch.bfloat16, fmt="amx_bf16")
+    # Past the int8 copies' 4 rows the tiles serve, bit for bit the layer path's answer.
+    assert equal_steps(model, torch.bfloat16, 6) == [AMX_BF16]
+
+
+def test_bf16_linears_take_the_tiles_where_they_timed_faster(monkeypatch):
+    asked = []
+
+    def timed(answer: bool):
+        return lambda: asked.append(answer) or answer
+
+    kw = dict(features=AMX, onednn_f32_faster=lambda: False)
+    won = select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(True), **kw)
+    lost = select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(False), **kw)
+    if not (AMX_HERE and onednn_bf16_available()):
+        # Without AMX kernels here the timing is never asked: oneDNN's bf16 or F.linear.
+        assert asked == [] and won.weight_format == lost.weight_format != "amx_bf16"
+        return
+    assert (won.dtype, won.weight_format, won.float_format) == (
+        torch.bfloat16, "amx_bf16", "amx_bf16"
+    )  # fmt: skip
+    assert "bf16 linears -> AMX tiles" in won.describe()
+    assert lost.weight_format == "onednn" and "tiles not at least 5% faster" in lost.describe()
+    # The exact path, --deterministic, fp32 models and CPUs without AMX never ask.
+    select_platform(CPU, "auto", "none", amx_gemm_faster=timed(True), **kw)
+    select_platform(CPU, "auto", "auto", deterministic=True, amx_gemm_faster=timed(True), **kw)
+    select_platform(CPU, "float32", "auto", amx_gemm_faster=timed(True), **kw)
+    no_amx = dict(kw, features=ZEN3)
+    select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(True), **no_amx)
+    assert asked == [True, False]
+
+
+@needs_amx
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
+def test_the_bf16_gemm_timing_runs_both_formats_on_the_models_shapes(caplog):
+    with caplog.at_level(logging.INFO, logger="headrace.platform"):
+        won = amx_gemm_beats_onednn([LinearShape(48, 32, True, 2)], rows=(3, 40), reps=1)
+    assert isinstance(won, bool)
+    line = next(r.getMessage() for r in caplog.records if "bf16 GEMM" in r.getMessage())
+    assert "rows [3, 40]" in line and "AMX tiles" in line and "oneDNN" in line
+    assert not amx_gemm_beats_onednn([LinearShape(48, 32, True, 1)], rows=(3,), margin=0.0)
+    assert amx_gemm_beats_onednn([LinearShape(48, 32, True, 1)], rows=(3,), margin=1e6)
