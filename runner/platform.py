@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.format_timing import (
-    amx_gemm_beats_onednn,
+    AMX_GEMM_ROWS,
+    amx_gemm_rows,
     int8_beats_float,
     measure_small_rows,
     onednn_f32_beats_float,
@@ -152,6 +153,9 @@ class Platform:
     int8_reduce_range: bool = False
     # The layout of the weight-only int8 copies to try for few-row calls (None: none);
     # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
+    # An onednn format's calls of up to this many rows (past the int8 copies) take AMX tiles
+    # kept beside its weight (0: none): the rows where a start-up timing found them faster.
+    amx_rows: int = 0
     small_batch_int8: str | None = None
     small_rows: int = 0
     # The batched int8 kernel to pack for (None: none); `prepare` measures the kernel and
@@ -219,6 +223,7 @@ class Platform:
             self.float_format,
             self.small_batch_int8,
             batched_int8,
+            self.amx_rows,
         )
 
     def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
@@ -255,11 +260,11 @@ def select_platform(
     linears: Sequence[LinearShape] = (),
     deterministic: bool = False,
     onednn_f32_faster: Callable[[], bool] | None = None,
-    amx_gemm_faster: Callable[[], bool] | None = None,
+    amx_gemm_timing: Callable[[], int] | None = None,
 ) -> Platform:
     """Choose dtype and weight format for `device`. `linears` are the model's layer shapes
     for the micro-benchmarks; `features`, `int8_faster`, `onednn_f32_faster` and
-    `amx_gemm_faster` are injectable so tests can force every branch on any machine.
+    `amx_gemm_timing` are injectable so tests can force every branch on any machine.
     `deterministic` keeps one linear path for every batch size (no small-batch int8 copies,
     F.linear for fp32; runner/batch_invariance.py)."""
     if dtype != "auto" and dtype not in DTYPES:
@@ -294,14 +299,20 @@ def select_platform(
             f"fp32 linears -> {'oneDNN' if faster else 'F.linear (MKL)'} "
             f"(oneDNN {'' if faster else 'not '}at least 5% faster at prompt rows)"
         )
+    amx_rows = 0
     if float_format == "onednn" and auto and _amx_kernels_usable(feats):
-        timed = amx_gemm_faster or (lambda: amx_gemm_beats_onednn(linears))
-        faster = timed()
-        float_format = "amx_bf16" if faster else "onednn"
-        reasons.append(
-            f"bf16 linears -> {'AMX tiles' if faster else 'oneDNN'} (the tiles "
-            f"{'' if faster else 'not '}at least 5% faster at prompt rows)"
-        )
+        timed = amx_gemm_timing or (lambda: amx_gemm_rows(linears))
+        amx_rows = timed()
+        if amx_rows >= max(AMX_GEMM_ROWS):
+            float_format, amx_rows = "amx_bf16", 0
+            reasons.append("bf16 linears -> AMX tiles (at least 5% faster at every row count)")
+        else:
+            reasons.append(
+                f"bf16 linears -> AMX tiles up to {amx_rows} rows, oneDNN past (the tiles at "
+                "least 5% faster up to there)"
+                if amx_rows
+                else "bf16 linears -> oneDNN (the AMX tiles not at least 5% faster)"
+            )
     # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
     # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
     # tokens on Zen 3. torch._int_mm accumulates in int32 at full range, but served 2.7x slower
@@ -343,6 +354,7 @@ def select_platform(
         fmt,
         int8_kernel=kernel if fmt == "int8" else None,
         float_format=float_format,
+        amx_rows=amx_rows,
         int8_reduce_range=fmt == "int8" and kernel == "fbgemm" and not feats.vnni,
         small_batch_int8=small_layout,
         batched_int8=batched,

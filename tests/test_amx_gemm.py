@@ -12,8 +12,8 @@ from test_fused_decode import build, equal_steps
 from test_linear_formats import AMX, CPU, ZEN3
 
 from runner.cpu_ops import load_cpu_ops
-from runner.format_timing import amx_gemm_beats_onednn
-from runner.layers.linear import Linear, LinearShape, onednn_bf16_available
+from runner.format_timing import AMX_GEMM_ROWS, amx_gemm_rows
+from runner.layers.linear import AmxBf16Weight, Linear, LinearShape, onednn_bf16_available
 from runner.models.fused_decode import AMX_BF16
 from runner.platform import select_platform
 
@@ -86,46 +86,90 @@ def test_the_format_serves_its_rows_and_reads_its_weight_back():
 
 
 @needs_amx
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
+def test_an_onednn_layer_keeps_the_tiles_for_its_first_rows():
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=True).to(torch.bfloat16)
+    layer.pack("onednn", amx_rows=64)
+    assert layer.format == "onednn" and layer.amx_rows == 64
+    assert layer.kernel_for(64) == "amx_bf16" and layer.kernel_for(65) == "onednn"
+    x = torch.randn(65, 96).bfloat16()
+    tiles = torch.ops.headrace.amx_bf16_linear(x, layer._amx.tiles, layer._amx.bias, 160)
+    calls = []
+    own = layer._amx
+
+    class Spy:
+        tiles, bias = own.tiles, own.bias
+
+        def __call__(self, rows):
+            calls.append(rows.shape[0])
+            return own(rows)
+
+    layer._amx = Spy()
+    assert torch.equal(layer(x[:64]), tiles[:64]) and calls == [64]
+    torch.testing.assert_close(layer(x), tiles, atol=5e-2, rtol=2e-2)
+    assert calls == [64]  # 65 rows went to oneDNN
+    # Without amx_rows (or in another format) no tiles are kept.
+    plain = Linear(96, 160).to(torch.bfloat16)
+    plain.pack("onednn")
+    assert plain._amx is None and plain.kernel_for(1000) == "onednn"
+
+
+@needs_amx
 def test_amx_bf16_weights_fused():
-    model = build(torch.bfloat16, fmt="amx_bf16")
     # Past the int8 copies' 4 rows the tiles serve, bit for bit the layer path's answer.
+    assert equal_steps(build(torch.bfloat16, fmt="amx_bf16"), torch.bfloat16, 6) == [AMX_BF16]
+    if not onednn_bf16_available():
+        return
+    # Tiles kept beside oneDNN's weight for up to 8 rows: 6 rows take them, fused too.
+    model = build(torch.bfloat16, fmt="onednn")
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m._amx = AmxBf16Weight.from_weight(m.float_weight(), m.bias)
+            m.amx_rows = 8
     assert equal_steps(model, torch.bfloat16, 6) == [AMX_BF16]
 
 
-def test_bf16_linears_take_the_tiles_where_they_timed_faster(monkeypatch):
+def test_bf16_linears_take_the_tiles_up_to_the_rows_where_they_timed_faster():
     asked = []
 
-    def timed(answer: bool):
-        return lambda: asked.append(answer) or answer
+    def timed(rows: int):
+        return lambda: asked.append(rows) or rows
 
     kw = dict(features=AMX, onednn_f32_faster=lambda: False)
-    won = select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(True), **kw)
-    lost = select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(False), **kw)
+    every = select_platform(CPU, "auto", "auto", amx_gemm_timing=timed(2048), **kw)
+    some = select_platform(CPU, "auto", "auto", amx_gemm_timing=timed(512), **kw)
+    none = select_platform(CPU, "auto", "auto", amx_gemm_timing=timed(0), **kw)
     if not (AMX_HERE and onednn_bf16_available()):
         # Without AMX kernels here the timing is never asked: oneDNN's bf16 or F.linear.
-        assert asked == [] and won.weight_format == lost.weight_format != "amx_bf16"
+        assert asked == [] and every.weight_format != "amx_bf16" and every.amx_rows == 0
         return
-    assert (won.dtype, won.weight_format, won.float_format) == (
-        torch.bfloat16, "amx_bf16", "amx_bf16"
-    )  # fmt: skip
-    assert "bf16 linears -> AMX tiles" in won.describe()
-    assert lost.weight_format == "onednn" and "tiles not at least 5% faster" in lost.describe()
+    assert (every.dtype, every.weight_format, every.amx_rows) == (torch.bfloat16, "amx_bf16", 0)
+    assert "bf16 linears -> AMX tiles (at least 5% faster at every row count)" in every.describe()
+    assert (some.weight_format, some.amx_rows) == ("onednn", 512)
+    assert "AMX tiles up to 512 rows, oneDNN past" in some.describe()
+    assert (none.weight_format, none.amx_rows) == ("onednn", 0)
+    assert "the AMX tiles not at least 5% faster" in none.describe()
     # The exact path, --deterministic, fp32 models and CPUs without AMX never ask.
-    select_platform(CPU, "auto", "none", amx_gemm_faster=timed(True), **kw)
-    select_platform(CPU, "auto", "auto", deterministic=True, amx_gemm_faster=timed(True), **kw)
-    select_platform(CPU, "float32", "auto", amx_gemm_faster=timed(True), **kw)
-    no_amx = dict(kw, features=ZEN3)
-    select_platform(CPU, "auto", "auto", amx_gemm_faster=timed(True), **no_amx)
-    assert asked == [True, False]
+    select_platform(CPU, "auto", "none", amx_gemm_timing=timed(1), **kw)
+    select_platform(CPU, "auto", "auto", deterministic=True, amx_gemm_timing=timed(1), **kw)
+    select_platform(CPU, "float32", "auto", amx_gemm_timing=timed(1), **kw)
+    select_platform(CPU, "auto", "auto", amx_gemm_timing=timed(1), **dict(kw, features=ZEN3))
+    assert asked == [2048, 512, 0]
 
 
 @needs_amx
 @pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
-def test_the_bf16_gemm_timing_runs_both_formats_on_the_models_shapes(caplog):
+def test_the_bf16_gemm_timing_stops_at_the_first_row_count_the_tiles_lose(caplog):
+    shapes = [LinearShape(48, 32, True, 2), LinearShape(50_000, 32, True, 1)]
     with caplog.at_level(logging.INFO, logger="headrace.platform"):
-        won = amx_gemm_beats_onednn([LinearShape(48, 32, True, 2)], rows=(3, 40), reps=1)
-    assert isinstance(won, bool)
-    line = next(r.getMessage() for r in caplog.records if "bf16 GEMM" in r.getMessage())
-    assert "rows [3, 40]" in line and "AMX tiles" in line and "oneDNN" in line
-    assert not amx_gemm_beats_onednn([LinearShape(48, 32, True, 1)], rows=(3,), margin=0.0)
-    assert amx_gemm_beats_onednn([LinearShape(48, 32, True, 1)], rows=(3,), margin=1e6)
+        rows = amx_gemm_rows(shapes, rows=(3, 40), reps=1)
+    assert rows in (0, 3, 40)
+    lines = [r.getMessage() for r in caplog.records if "bf16 GEMM" in r.getMessage()]
+    # One line per count timed, on the decoder's shapes only (the LM head's is left out).
+    assert "1 layer shapes, 3 rows" in lines[0] and "AMX tiles" in lines[0]
+    assert len(lines) == (1 if rows == 0 else 2)
+    # An impossible margin is never met, a generous one always is.
+    assert amx_gemm_rows(shapes, rows=(3, 40), margin=0.0) == 0
+    assert amx_gemm_rows(shapes, rows=(3, 40), margin=1e6) == 40
+    assert AMX_GEMM_ROWS[-1] == 2048  # up to the default step budget

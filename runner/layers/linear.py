@@ -11,8 +11,10 @@ onednn_f32  fp32 weight in oneDNN's blocked layout: the same numbers as float th
          Zen 1 (AMD); chosen by a start-up timing (runner/format_timing.py)
 amx_bf16 bf16 weight in AMX tiles for runner/cpu_ops/amx_gemm.cpp: the same products as
          onednn, with the output channels split evenly over the threads at every row
-         count (oneDNN's split idled one of two cores at some prompt row counts); chosen
-         by a start-up timing where the CPU has AMX (runner/format_timing.py)
+         count (oneDNN's split idled one of two cores at some prompt row counts); where a
+         start-up timing finds the tiles faster at every prompt row count (AMX CPUs only,
+         runner/format_timing.py). Faster only up to some count, an onednn layer keeps the
+         tiles beside its weight for calls of up to `amx_rows` rows
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -213,6 +215,8 @@ class Linear(nn.Linear):
         self._onednn_bias: torch.Tensor | None = None
         self._int8: Int8Weight | None = None
         self._amx: AmxBf16Weight | None = None
+        # An onednn layer's calls of <= amx_rows rows (past the int8 copies) take the tiles.
+        self.amx_rows = 0
         # Weight-only int8 copy used for calls of <= small_rows rows.
         self._small: SmallBatchInt8 | None = None
         self.small_rows = 0
@@ -230,13 +234,15 @@ class Linear(nn.Linear):
         float_format: str = "float",
         small_batch_int8: str | None = None,
         batched_int8: str | None = None,
+        amx_rows: int = 0,
     ) -> None:
         """Convert the weight to `fmt`; the float weight is dropped from this module.
 
         A layer built with `int8_inputs=False` takes `float_format` when asked for int8.
         `small_batch_int8` (a layout, see `SmallBatchInt8`) also keeps a weight-only int8
         copy, unused until `small_rows` > 0; `batched_int8` (a kernel, see `BatchedInt8`) a
-        batched int8 copy, unused until `batched_rows` > 0.
+        batched int8 copy, unused until `batched_rows` > 0. `amx_rows` > 0 keeps AMX tiles
+        beside an onednn weight for calls of up to that many rows.
         """
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -259,6 +265,9 @@ class Linear(nn.Linear):
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
             if self.bias is not None:
                 self._onednn_bias = self.bias.detach().to(dtype)
+            if fmt == "onednn" and amx_rows > 0:
+                self._amx = AmxBf16Weight.from_weight(w, self.bias)
+                self.amx_rows = amx_rows
         elif fmt == "amx_bf16":
             self._amx = AmxBf16Weight.from_weight(w, self.bias)
         else:
@@ -323,15 +332,17 @@ class Linear(nn.Linear):
 
     def kernel_for(self, rows: int) -> str:
         """What a call of `rows` rows runs on: "padded" (fewer than `min_rows`), "small" (the
-        weight-only int8 copy), "batched" (the batched int8 copy, or the format), else the
-        format. The fused decoder stack (runner/models/fused_decode.py) follows the same
-        choice."""
+        weight-only int8 copy), "batched" (the batched int8 copy, or the format), "amx_bf16"
+        (the AMX tiles: up to `amx_rows`, or the format), else the format. The fused decoder
+        stack (runner/models/fused_decode.py) follows the same choice."""
         if rows < self.min_rows:
             return "padded"
         if self._small is not None and rows <= self.small_rows:
             return "small"
         if self._batched is not None and rows <= self.batched_rows:
             return "batched"
+        if self._amx is not None and (self.format == "amx_bf16" or rows <= self.amx_rows):
+            return "amx_bf16"
         return self.format
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -350,11 +361,13 @@ class Linear(nn.Linear):
             assert self._batched is not None
             y = self._batched(x2, self.bias)
             return y.view(*lead, y.shape[-1])
+        if kernel == "amx_bf16":
+            assert self._amx is not None
+            y = self._amx(x2).to(x.dtype)
+            return y.view(*lead, y.shape[-1])
         if self.format == "float":
             return F.linear(x, self.weight, self.bias)
-        if self._amx is not None:
-            y = self._amx(x2).to(x.dtype)
-        elif self.format in ONEDNN_DTYPES:
+        if self.format in ONEDNN_DTYPES:
             assert self._onednn is not None
             y = torch.ops.mkldnn._linear_pointwise(
                 x2.to(self._onednn.dtype), self._onednn, self._onednn_bias, "none", [], ""
@@ -379,13 +392,20 @@ def pack_linears(
     float_format: str = "float",
     small_batch_int8: str | None = None,
     batched_int8: str | None = None,
+    amx_rows: int = 0,
 ) -> dict[str, int]:
     """Convert every `Linear` of `model` to `fmt`; returns how many took each format."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack(
-                fmt, int8_kernel, reduce_range, float_format, small_batch_int8, batched_int8
+                fmt,
+                int8_kernel,
+                reduce_range,
+                float_format,
+                small_batch_int8,
+                batched_int8,
+                amx_rows,
             )
             counts[module.format] = counts.get(module.format, 0) + 1
     return counts
