@@ -15,6 +15,21 @@
 
 namespace headrace {
 
+// A [N, K] row-major matrix of 8- or 16-bit elements as AMX B tiles, zero padded:
+// dst [ceil(N/16)][ceil(K/32)][512]; tile (n, k) holds channels n*16.. and inputs k*32.. as
+// 16 rows of input pairs, each row 16 channels x 2 inputs (one contiguous tile load).
+template <typename T>
+void pack_b_tiles(const T* src, int64_t n_dim, int64_t k_dim, T* dst) {
+  const int64_t k_tiles = (k_dim + 31) / 32;
+  for (int64_t n = 0; n < n_dim; ++n) {
+    const int64_t nt = n / 16, j = n % 16;
+    for (int64_t k = 0; k < k_dim; ++k) {
+      const int64_t kt = k / 32, pair = (k % 32) / 2, e = k % 2;
+      dst[(nt * k_tiles + kt) * 512 + pair * 32 + j * 2 + e] = src[n * k_dim + k];
+    }
+  }
+}
+
 // Whether this build has the AMX kernels and the kernel lets this process use AMX: Linux
 // hands out the 8 KB tile state only to processes that ask (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); asking again is harmless, and oneDNN may already have asked.

@@ -41,15 +41,8 @@ at::Tensor amx_pack_bf16(const at::Tensor& w) {
   const int64_t n_dim = src.size(0), k_dim = src.size(1);
   const int64_t n_tiles = (n_dim + kTileN - 1) / kTileN, k_tiles = (k_dim + kTileK - 1) / kTileK;
   at::Tensor out = at::zeros({n_tiles, k_tiles, kTileElems}, src.options());
-  const auto* s = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>());
-  auto* d = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  for (int64_t n = 0; n < n_dim; ++n) {
-    const int64_t nt = n / kTileN, j = n % kTileN;
-    for (int64_t k = 0; k < k_dim; ++k) {
-      const int64_t kt = k / kTileK, pair = (k % kTileK) / 2, e = k % 2;
-      d[(nt * k_tiles + kt) * kTileElems + pair * 2 * kTileN + j * 2 + e] = s[n * k_dim + k];
-    }
-  }
+  headrace::pack_b_tiles(reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()), n_dim,
+                         k_dim, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 

@@ -41,15 +41,7 @@ at::Tensor amx_pack_int8(const at::Tensor& q) {
   const int64_t n_dim = src.size(0), k_dim = src.size(1);
   const int64_t n_tiles = (n_dim + kTileN - 1) / kTileN, k_tiles = (k_dim + kTileK - 1) / kTileK;
   at::Tensor out = at::zeros({n_tiles, k_tiles, kTileBytes}, src.options());
-  const int8_t* s = src.data_ptr<int8_t>();
-  int8_t* d = out.data_ptr<int8_t>();
-  for (int64_t n = 0; n < n_dim; ++n) {
-    const int64_t nt = n / kTileN, j = n % kTileN;
-    for (int64_t k = 0; k < k_dim; ++k) {
-      const int64_t kt = k / kTileK, pair = (k % kTileK) / 2, e = k % 2;
-      d[(nt * k_tiles + kt) * kTileBytes + pair * 2 * kTileN + j * 2 + e] = s[n * k_dim + k];
-    }
-  }
+  headrace::pack_b_tiles(src.data_ptr<int8_t>(), n_dim, k_dim, out.data_ptr<int8_t>());
   return out;
 }
 
