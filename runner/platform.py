@@ -151,11 +151,11 @@ class Platform:
     # AMX's tiles timed faster), else "onednn_f32" where it timed faster, else "float".
     float_format: str = "float"
     int8_reduce_range: bool = False
-    # The layout of the weight-only int8 copies to try for few-row calls (None: none);
-    # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
     # An onednn format's calls of up to this many rows (past the int8 copies) take AMX tiles
     # kept beside its weight (0: none): the rows where a start-up timing found them faster.
     amx_rows: int = 0
+    # The layout of the weight-only int8 copies to try for few-row calls (None: none);
+    # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
     small_batch_int8: str | None = None
     small_rows: int = 0
     # The batched int8 kernel to pack for (None: none); `prepare` measures the kernel and
