@@ -54,13 +54,13 @@ def _sweep(
 
 def _forward_totals(
     shapes: Sequence[LinearShape],
-    runs: Callable[[LinearShape, torch.Tensor], dict[str, Callable[[], None]]],
+    runs: Callable[[LinearShape, torch.Tensor], dict[Any, Callable[[], None]]],
     reps: int,
-) -> dict[str, float]:
+) -> dict[Any, float]:
     """Seconds each variant's linears take in one forward: every shape's runs (built by
     `runs` from one random weight) timed interleaved, best of `reps`, times its layer count."""
     torch.manual_seed(0)
-    totals: dict[str, float] = {}
+    totals: dict[Any, float] = {}
     with torch.inference_mode():
         for shape in shapes:
             weight = torch.randn(shape.out_features, shape.in_features) * 0.05
@@ -72,17 +72,19 @@ def _forward_totals(
 def _own_format_totals(
     shapes: Sequence[LinearShape], formats: Sequence[str], dtype: torch.dtype,
     rows: Sequence[int], reps: int,
-) -> dict[str, float]:  # fmt: skip
-    """Seconds one forward's linears take in each of `formats`, at each of `rows`."""
+) -> dict[tuple[str, int], float]:  # fmt: skip
+    """Seconds one forward's linears take in each of `formats` at each of `rows`, keyed
+    (format, rows); each shape's layers are packed once for all row counts."""
 
-    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
-        inputs = [torch.randn(n, shape.in_features, dtype=dtype) for n in rows]
+    def runs(shape: LinearShape, weight: torch.Tensor) -> dict[Any, Callable[[], None]]:
+        inputs = {n: torch.randn(n, shape.in_features, dtype=dtype) for n in rows}
         out = {}
         for name in formats:
             layer = Linear(shape.in_features, shape.out_features, bias=False)
             layer.weight.data = weight.to(dtype).clone()
             layer.pack(name)
-            out[name] = _calls(layer, inputs)
+            for n, x in inputs.items():
+                out[(name, n)] = _calls(layer, [x])
         return out
 
     return _forward_totals(shapes, runs, reps)
@@ -104,7 +106,8 @@ def onednn_f32_beats_float(
     from memory); on other CPUs either may win, hence the timing.
     """
     shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
-    totals = _own_format_totals(shapes, ("float", "onednn_f32"), torch.float32, rows, reps)
+    by_rows = _own_format_totals(shapes, ("float", "onednn_f32"), torch.float32, rows, reps)
+    totals = {name: sum(by_rows[name, n] for n in rows) for name in ("float", "onednn_f32")}
     log.info(
         "fp32 GEMM micro-benchmark (%d layer shapes, rows %s): oneDNN %.2f ms, MKL %.2f ms",
         len(shapes),
@@ -140,18 +143,19 @@ def amx_gemm_rows(
     # the timing on SmolLM2 (714 ms) and hid the decoder's shapes.
     shapes = [s for s in linears if s.count > 1] or list(linears)
     shapes = shapes or [LinearShape(3072, 576, True, 1)]
+    totals = _own_format_totals(shapes, ("onednn", "amx_bf16"), torch.bfloat16, rows, reps)
     served = 0
     for n in rows:
-        totals = _own_format_totals(shapes, ("onednn", "amx_bf16"), torch.bfloat16, [n], reps)
+        tiles, onednn = totals["amx_bf16", n], totals["onednn", n]
         log.info(
             "bf16 GEMM micro-benchmark (%d layer shapes, %d rows): AMX tiles %.2f ms, "
             "oneDNN %.2f ms",
             len(shapes),
             n,
-            totals["amx_bf16"] * 1e3,
-            totals["onednn"] * 1e3,
+            tiles * 1e3,
+            onednn * 1e3,
         )
-        if totals["amx_bf16"] > margin * totals["onednn"]:
+        if tiles > margin * onednn:
             break
         served = n
     return served

@@ -159,10 +159,14 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& tiles,
     xs.narrow(1, 0, k_dim).copy_(x);
   }
   const int64_t full = m_dim / 16 * 16;
-  at::Tensor tail = at::zeros({16, k_pad}, x.options());
-  if (full < m_dim) tail.narrow(0, 0, m_dim - full).copy_(xs.narrow(0, full, m_dim - full));
+  at::Tensor tail;  // only where some rows are left past the whole tiles
+  if (full < m_dim) {
+    tail = at::zeros({16, k_pad}, x.options());
+    tail.narrow(0, 0, m_dim - full).copy_(xs.narrow(0, full, m_dim - full));
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
-  run(xp, xs.stride(0), reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()),
+  run(xp, xs.stride(0),
+      tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr,
       m_dim, k_pad, reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), n_tiles,
       b.defined() ? b.data_ptr<float>() : nullptr, n_dim,
       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));

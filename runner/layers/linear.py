@@ -11,10 +11,10 @@ onednn_f32  fp32 weight in oneDNN's blocked layout: the same numbers as float th
          Zen 1 (AMD); chosen by a start-up timing (runner/format_timing.py)
 amx_bf16 bf16 weight in AMX tiles for runner/cpu_ops/amx_gemm.cpp: the same products as
          onednn, with the output channels split evenly over the threads at every row
-         count (oneDNN's split idled one of two cores at some prompt row counts); where a
-         start-up timing finds the tiles faster at every prompt row count (AMX CPUs only,
-         runner/format_timing.py). Faster only up to some count, an onednn layer keeps the
-         tiles beside its weight for calls of up to `amx_rows` rows
+         count (oneDNN's split idled one of two cores at some prompt row counts). Chosen
+         where a start-up timing (AMX CPUs only, runner/format_timing.py) finds the tiles
+         faster at every prompt row count; where they win only up to some count, an onednn
+         layer keeps them beside its weight for calls of up to `amx_rows` rows
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
