@@ -87,6 +87,17 @@ def test_prompt_chunks_match_the_reference(heads, kv_heads, head_dim, block_size
     assert CpuKernelAttentionBackend().amx == torch.ops.headrace.amx_usable()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_contexts_match_the_reference(dtype):
+    # A 600-token prompt and a chunk after 700 cached keys: mostly key chunks every row sees
+    # whole (the AMX kernel's unmasked softmax); a decode row past 512 keys (splits merged),
+    # whose bf16 scores come from bf16 pair products (vdpbf16ps) where the CPU has them.
+    reqs = [(0, 600), (700, 48), (1100, 1), (515, 1)]
+    want, got = _step(reqs, 9, 3, 64, 16, dtype, num_blocks=192)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_prefill_kernel_refuses_what_it_cannot_do():
     op = torch.ops.headrace.paged_prefill_attention_
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)

@@ -103,9 +103,21 @@ struct Vec {
     return {_mm512_mul_ps(r, _mm512_fnmadd_ps(v, r, _mm512_set1_ps(2.0f)))};
   }
   float sum() const { return _mm512_reduce_add_ps(v); }
-  // The sums of four vectors into out[0..4).
+  // The sums of four vectors into out[0..4): pairs added within 128-bit lanes, then the
+  // four lanes, ~12 instructions where four separate reductions take ~32.
   static void sum4(const Vec (&a)[4], float* out) {
-    for (int i = 0; i < 4; ++i) out[i] = a[i].sum();
+    // Per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of two vectors a, b.
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0].v, a[1].v),
+                                    _mm512_unpackhi_ps(a[0].v, a[1].v));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2].v, a[3].v),
+                                    _mm512_unpackhi_ps(a[2].v, a[3].v));
+    // Per 128-bit lane: the four vectors' partial sums, in order.
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 half = _mm256_add_ps(
+        _mm512_castps512_ps256(abcd),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
   }
   float max() const { return _mm512_reduce_max_ps(v); }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
