@@ -183,91 +183,92 @@ void values_pass(int g, const float* p, int64_t p_stride, const float* inv_sum, 
 constexpr int kAccRegs = Vec::N == 16 ? 16 : 8;
 static_assert(kAccRegs / 4 <= 4, "weighted_values is instantiated for up to 4 heads");
 
-// Scores of g query heads (q scaled) against one KV head's keys into scores [g][padded]: each
-// key widened to fp32 per head. Four keys at a time per head: four independent multiply-add
-// chains and one reduction tree for their sums (one key at a time waited on its chain and
-// its three-step reduction: ~2x slower on Zen 1).
+// Scores of g query heads against one KV head's keys into scores [g][padded], one pass over
+// the keys: dot4(j, k, stride, out) writes head j's scores of the four keys from k (rows
+// `stride` apart), dot1(j, k) returns one. Four keys at a time per head: four independent
+// multiply-add chains and one reduction tree for their sums (one key at a time waited on its
+// chain and its three-step reduction: ~2x slower on Zen 1).
+template <int D, typename T, typename Dot4, typename Dot1>
+void score_keys(const T* k_cache, const int64_t* table, int64_t seq_len, int64_t kvh,
+                int64_t group, int64_t kv_heads, int64_t block_size, float* scores,
+                int64_t padded, Dot4&& dot4, Dot1&& dot1) {
+  const int64_t token_stride = kv_heads * D;
+  for_each_block<D>(k_cache, table, seq_len, kvh, kv_heads, block_size, true,
+                    [&](const T* k, int64_t start, int64_t n) {
+                      int64_t t = 0;
+                      for (; t + 4 <= n; t += 4, k += 4 * token_stride)
+                        for (int64_t j = 0; j < group; ++j)
+                          dot4(j, k, token_stride, scores + j * padded + start + t);
+                      for (; t < n; ++t, k += token_stride)
+                        for (int64_t j = 0; j < group; ++j)
+                          scores[j * padded + start + t] = dot1(j, k);
+                    });
+}
+
+// score_keys with the keys widened to fp32 and the queries scaled first.
 template <int D, typename T>
 void scores_widened(const T* q, float scale, const T* k_cache, const int64_t* table,
                     int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
                     int64_t block_size, float* scores, int64_t padded) {
   constexpr int NV = D / Vec::N;
-  const int64_t token_stride = kv_heads * D;
   std::vector<float> q_scaled(group * D);
   float* qs = q_scaled.data();
   for (int64_t j = 0; j < group; ++j)
     for (int i = 0; i < NV; ++i)
       (Vec::load(q + j * D + i * Vec::N) * Vec::set1(scale)).store(qs + j * D + i * Vec::N);
-  for_each_block<D>(k_cache, table, seq_len, kvh, kv_heads, block_size, true,
-                    [&](const T* k, int64_t start, int64_t n) {
-                      int64_t t = 0;
-                      for (; t + 4 <= n; t += 4, k += 4 * token_stride)
-                        for (int64_t j = 0; j < group; ++j) {
-                          const float* qj = qs + j * D;
-                          Vec acc[4];
-                          for (int r = 0; r < 4; ++r)
-                            acc[r] = Vec::load(qj) * Vec::load(k + r * token_stride);
-                          for (int i = 1; i < NV; ++i) {
-                            const Vec qv = Vec::load(qj + i * Vec::N);
-                            for (int r = 0; r < 4; ++r)
-                              acc[r] = Vec::fmadd(
-                                  qv, Vec::load(k + r * token_stride + i * Vec::N), acc[r]);
-                          }
-                          Vec::sum4(acc, scores + j * padded + start + t);
-                        }
-                      for (; t < n; ++t, k += token_stride) {
-                        Vec kv[NV];
-                        for (int i = 0; i < NV; ++i) kv[i] = Vec::load(k + i * Vec::N);
-                        for (int64_t j = 0; j < group; ++j) {
-                          const float* qj = qs + j * D;
-                          Vec acc = Vec::load(qj) * kv[0];
-                          for (int i = 1; i < NV; ++i)
-                            acc = Vec::fmadd(Vec::load(qj + i * Vec::N), kv[i], acc);
-                          scores[j * padded + start + t] = acc.sum();
-                        }
-                      }
-                    });
+  const auto dot4 = [&](int64_t j, const T* k, int64_t stride, float* out) {
+    const float* qj = qs + j * D;
+    Vec acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = Vec::load(qj) * Vec::load(k + r * stride);
+    for (int i = 1; i < NV; ++i) {
+      const Vec qv = Vec::load(qj + i * Vec::N);
+      for (int r = 0; r < 4; ++r)
+        acc[r] = Vec::fmadd(qv, Vec::load(k + r * stride + i * Vec::N), acc[r]);
+    }
+    Vec::sum4(acc, out);
+  };
+  const auto dot1 = [&](int64_t j, const T* k) {
+    const float* qj = qs + j * D;
+    Vec acc = Vec::load(qj) * Vec::load(k);
+    for (int i = 1; i < NV; ++i)
+      acc = Vec::fmadd(Vec::load(qj + i * Vec::N), Vec::load(k + i * Vec::N), acc);
+    return acc.sum();
+  };
+  score_keys<D>(k_cache, table, seq_len, kvh, group, kv_heads, block_size, scores, padded, dot4,
+                dot1);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// As scores_widened for a bf16 cache and bf16 queries, unscaled: keys multiplied as they are
-// stored, in bf16 pairs (vdpbf16ps: products exact in fp32, summed in fp32), no widening per
-// head. The same four-key chains. A quarter less time than widening at SmolLM2's 3 heads a
-// KV head, with the keys in cache (Sapphire Rapids-class guest).
+// score_keys for a bf16 cache and bf16 queries, unscaled: the keys multiplied as they are
+// stored, in bf16 pairs (vdpbf16ps: products exact in fp32, summed in fp32), not widened once
+// per head. A quarter less time than widening at SmolLM2's 3 heads a KV head, with the keys
+// in cache (Sapphire Rapids-class guest).
 template <int D>
 void scores_bf16_pairs(const c10::BFloat16* q, const c10::BFloat16* k_cache,
                        const int64_t* table, int64_t seq_len, int64_t kvh, int64_t group,
                        int64_t kv_heads, int64_t block_size, float* scores, int64_t padded) {
   using T = c10::BFloat16;
   constexpr int NP = D / 32;  // vectors of 32 bf16 a row
-  const int64_t token_stride = kv_heads * D;
   const auto row = [](const T* p, int i) {
     return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const __m512i*>(p) + i);
   };
-  for_each_block<D>(k_cache, table, seq_len, kvh, kv_heads, block_size, true,
-                    [&](const T* k, int64_t start, int64_t n) {
-                      int64_t t = 0;
-                      for (; t + 4 <= n; t += 4, k += 4 * token_stride)
-                        for (int64_t j = 0; j < group; ++j) {
-                          const T* qj = q + j * D;
-                          Vec acc[4];
-                          for (int r = 0; r < 4; ++r)
-                            acc[r].v = _mm512_dpbf16_ps(_mm512_setzero_ps(), row(qj, 0),
-                                                        row(k + r * token_stride, 0));
-                          for (int i = 1; i < NP; ++i)
-                            for (int r = 0; r < 4; ++r)
-                              acc[r].v = _mm512_dpbf16_ps(acc[r].v, row(qj, i),
-                                                          row(k + r * token_stride, i));
-                          Vec::sum4(acc, scores + j * padded + start + t);
-                        }
-                      for (; t < n; ++t, k += token_stride)
-                        for (int64_t j = 0; j < group; ++j) {
-                          __m512 acc = _mm512_setzero_ps();
-                          for (int i = 0; i < NP; ++i)
-                            acc = _mm512_dpbf16_ps(acc, row(q + j * D, i), row(k, i));
-                          scores[j * padded + start + t] = _mm512_reduce_add_ps(acc);
-                        }
-                    });
+  const auto dot4 = [&](int64_t j, const T* k, int64_t stride, float* out) {
+    const T* qj = q + j * D;
+    Vec acc[4];
+    for (int r = 0; r < 4; ++r)
+      acc[r].v = _mm512_dpbf16_ps(_mm512_setzero_ps(), row(qj, 0), row(k + r * stride, 0));
+    for (int i = 1; i < NP; ++i)
+      for (int r = 0; r < 4; ++r)
+        acc[r].v = _mm512_dpbf16_ps(acc[r].v, row(qj, i), row(k + r * stride, i));
+    Vec::sum4(acc, out);
+  };
+  const auto dot1 = [&](int64_t j, const T* k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < NP; ++i) acc = _mm512_dpbf16_ps(acc, row(q + j * D, i), row(k, i));
+    return _mm512_reduce_add_ps(acc);
+  };
+  score_keys<D>(k_cache, table, seq_len, kvh, group, kv_heads, block_size, scores, padded, dot4,
+                dot1);
 }
 #endif
 
