@@ -95,11 +95,6 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Online softmax of one chunk's scores (in sbuf), in base 2: the scores are scaled by
-// scale * log2(e) (`log2_scale`), so each probability is one exp2. Keys a row may not see
-// get exactly 0; a chunk every row sees whole (`full`, all but the causal diagonal's) skips
-// the masks. First the scaled scores and each row's max; then every row's rescale factor in
-// one vector exp2; then the probabilities, rounded to bf16 into pbuf.
 // The 16 rows' maxima of v[0..16) as one vector (lane r: row r), by a transpose of partial
 // maxima: ~45 instructions where 16 separate reductions take ~110.
 inline __m512 row_maxima(const __m512 (&v)[kRows]) {
@@ -120,7 +115,7 @@ inline __m512 row_maxima(const __m512 (&v)[kRows]) {
 
 // Online softmax of one chunk's scores (in sbuf), in base 2: the scores are scaled by
 // scale * log2(e) (`log2_scale`), so each probability is one exp2. Keys a row may not see
-// get exactly 0; a chunk every row sees whole (`full`, all but the causal diagonal's) skips
+// get exactly 0; a chunk every row sees whole (kFull: all but the causal diagonal's) skips
 // the masks. First the scaled scores and each row's max; then every row's rescale factor in
 // one vector exp2; then the probabilities, rounded to bf16 into pbuf.
 template <bool kFull>
@@ -144,7 +139,7 @@ void softmax_chunk(HeadState& st, int64_t rows, const __mmask16* lo_mask,
   }
   const __m512 m_old = _mm512_load_ps(st.m);
   const __m512 m_new = _mm512_max_ps(m_old, row_maxima(halves_max));
-  // Padding rows keep m = -inf: their factor is irrelevant (nothing is accumulated).
+  // Padding rows' factors are irrelevant: nothing of theirs is accumulated or written.
   _mm512_store_ps(st.corr, exp2_nonpositive(_mm512_sub_ps(m_old, m_new)));
   _mm512_store_ps(st.m, m_new);
   for (int64_t r = 0; r < kRows; ++r) {
@@ -226,21 +221,21 @@ void query_tiles(const uint16_t* const* q, int64_t q_row_stride, int64_t rows, i
       _tile_stored(6, st[NH - 1].sbuf, kChunk * 4);
       _tile_stored(7, st[NH - 1].sbuf + 16, kChunk * 4);
     }
-    // Every row sees the whole chunk: no masks. Padding rows then get scores of their zero
-    // queries, which nothing reads.
     if ((chunk + 1) * kChunk - 1 <= first_pos) {
+      // Every row sees the whole chunk: no masks. Padding rows get the scores of their zero
+      // queries, which nothing reads.
       for (HeadState& h : st) softmax_chunk<true>(h, rows, nullptr, nullptr, log2_scale);
     } else {
-    // Keys of this chunk row r may see (0 for padding rows and rows before the chunk).
-    __mmask16 lo_mask[kRows], hi_mask[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      const int64_t visible =
-          r < rows ? std::clamp<int64_t>(first_pos + r - chunk * kChunk + 1, 0, kChunk) : 0;
-      lo_mask[r] = visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
-      hi_mask[r] = visible <= 16 ? 0 : static_cast<__mmask16>((1u << (visible - 16)) - 1);
-      if (visible == 32) hi_mask[r] = 0xFFFF;
-    }
-    for (HeadState& h : st) softmax_chunk<false>(h, rows, lo_mask, hi_mask, log2_scale);
+      // Keys of this chunk row r may see (0 for padding rows and rows before the chunk).
+      __mmask16 lo_mask[kRows], hi_mask[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t visible =
+            r < rows ? std::clamp<int64_t>(first_pos + r - chunk * kChunk + 1, 0, kChunk) : 0;
+        lo_mask[r] = visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
+        hi_mask[r] = visible <= 16 ? 0 : static_cast<__mmask16>((1u << (visible - 16)) - 1);
+        if (visible == 32) hi_mask[r] = 0xFFFF;
+      }
+      for (HeadState& h : st) softmax_chunk<false>(h, rows, lo_mask, hi_mask, log2_scale);
     }
     // Values: P (16 x 32 keys) times each 32-key x 16-dim value tile, two at a time.
     _tile_loadd(0, st[0].pbuf, kChunk * 2);

@@ -3,7 +3,8 @@
 // One query token per request. Work is split over (request, KV head) pairs, and a context
 // past kSplitKeys over splits of its keys, merged after: the g query heads that share a KV
 // head are computed together, so every cached key and value is read once per step and layer.
-// Arithmetic is fp32 whatever the storage dtype.
+// Arithmetic is fp32 whatever the storage dtype (bf16 keys may be multiplied as bf16 pairs,
+// whose products are exact in fp32).
 //
 // Layouts (the torch reference's, runner/attention.py):
 //   q            [B, H, D]                 fp32 or bf16
