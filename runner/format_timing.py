@@ -138,10 +138,10 @@ def amx_gemm_rows(
     rows, o_proj at 512, down at 256-1280. The tiles ran ~2.0-2.5 at every count: 1.2-1.4x
     oneDNN's speed up to 1024 rows, 0.8-1.1x at 2048.
     """
-    # The decoder's shapes: the LM head (the one shape a model has once) takes one row per
-    # sequence in a prompt step, not the chunk's rows; timed at these rows it was 98% of
-    # the timing on SmolLM2 (714 ms) and hid the decoder's shapes.
-    shapes = [s for s in linears if s.count > 1] or list(linears)
+    # The shapes called with a row per token: the LM head takes one row per sequence in a
+    # prompt step, not the chunk's rows; timed at these rows it was 98% of the timing on
+    # SmolLM2 (714 ms) and hid the decoder's shapes.
+    shapes = [s for s in linears if s.per_token] or list(linears)
     shapes = shapes or [LinearShape(3072, 576, True, 1)]
     totals = _own_format_totals(shapes, ("onednn", "amx_bf16"), torch.bfloat16, rows, reps)
     served = 0

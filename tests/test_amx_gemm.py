@@ -113,6 +113,10 @@ def test_an_onednn_layer_keeps_the_tiles_for_its_first_rows():
     plain = Linear(96, 160).to(torch.bfloat16)
     plain.pack("onednn")
     assert plain._amx is None and plain.kernel_for(1000) == "onednn"
+    # Nor in a layer called with one row per sequence (the LM head), whatever amx_rows says.
+    head = Linear(96, 160, bias=False, per_token=False).to(torch.bfloat16)
+    head.pack("onednn", amx_rows=64)
+    assert head._amx is None and head.amx_rows == 0 and head.kernel_for(32) == "onednn"
 
 
 @needs_amx
@@ -161,7 +165,7 @@ def test_bf16_linears_take_the_tiles_up_to_the_rows_where_they_timed_faster():
 @needs_amx
 @pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
 def test_the_bf16_gemm_timing_stops_at_the_first_row_count_the_tiles_lose(caplog):
-    shapes = [LinearShape(48, 32, True, 2), LinearShape(50_000, 32, True, 1)]
+    shapes = [LinearShape(48, 32, True, 2), LinearShape(50_000, 32, True, 1, per_token=False)]
     with caplog.at_level(logging.INFO, logger="headrace.platform"):
         rows = amx_gemm_rows(shapes, rows=(3, 40), reps=1)
     assert rows in (0, 3, 40)

@@ -303,6 +303,9 @@ def test_int8_micro_benchmark_times_every_model_shape_against_its_margin():
     model.append(Linear(32, 96))
     shapes = sorted(linear_shapes(model), key=lambda s: s.out_features)
     assert shapes == [LinearShape(32, 96, False, 1), LinearShape(96, 32, True, 2)]
+    # A layer called with a row per sequence (an LM head) is a shape of its own.
+    model.append(Linear(32, 96, per_token=False))
+    assert LinearShape(96, 32, True, 1, per_token=False) in linear_shapes(model)
     kw = dict(dtype=torch.float32, float_format="float", int8_dtype=torch.float32)
     # int8 can never take no time at all, and always takes less than a thousand times float.
     assert not int8_beats_float(**kw, linears=shapes, margin=0.0)

@@ -204,12 +204,21 @@ class Linear(nn.Linear):
     """nn.Linear whose weight can be converted once to a faster format (see module doc)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, int8_inputs: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        int8_inputs: bool = True,
+        per_token: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias)
         # False where the inputs carry outlier channels that per-token int8 crushes: the
         # layer then keeps the float format when the rest of the model goes int8.
         self.int8_inputs = int8_inputs
+        # False for a layer a prompt step calls with one row per sequence, not one per token
+        # (the LM head): the start-up timing of prompt-row GEMMs leaves it out, and it keeps
+        # no AMX tiles for prompt rows it never gets.
+        self.per_token = per_token
         self.format = "float"
         self._onednn: torch.Tensor | None = None
         self._onednn_bias: torch.Tensor | None = None
@@ -265,7 +274,7 @@ class Linear(nn.Linear):
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
             if self.bias is not None:
                 self._onednn_bias = self.bias.detach().to(dtype)
-            if fmt == "onednn" and amx_rows > 0:
+            if fmt == "onednn" and amx_rows > 0 and self.per_token:
                 self._amx = AmxBf16Weight.from_weight(w, self.bias)
                 self.amx_rows = amx_rows
         elif fmt == "amx_bf16":
@@ -419,13 +428,14 @@ class LinearShape:
     in_features: int
     int8_inputs: bool
     count: int
+    per_token: bool = True  # as Linear.per_token
 
 
 def linear_shapes(model: nn.Module) -> list[LinearShape]:
     """The model's `Linear`s grouped by shape (works on a meta-device model: no weights)."""
     counts = Counter(
-        (m.out_features, m.in_features, m.int8_inputs)
+        (m.out_features, m.in_features, m.int8_inputs, m.per_token)
         for m in model.modules()
         if isinstance(m, Linear)
     )
-    return [LinearShape(o, i, q, n) for (o, i, q), n in counts.items()]
+    return [LinearShape(o, i, q, n, t) for (o, i, q, t), n in counts.items()]

@@ -190,7 +190,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(local, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab_rows = self.embed_tokens.weight.shape[0]
-        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False, per_token=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
