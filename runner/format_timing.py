@@ -136,7 +136,7 @@ def amx_gemm_rows(
     NOTE: on a Sapphire Rapids-class guest (2 cores) oneDNN ran SmolLM2's shapes at 2.2-2.9
     TFLOP/s at some row counts and at ~1.2 (one core's rate) at others: QKV at 768-1024
     rows, o_proj at 512, down at 256-1280. The tiles ran ~2.0-2.5 at every count: 1.2-1.4x
-    oneDNN's speed up to 1024 rows, 0.8-1.1x at 2048.
+    oneDNN's speed up to 1024 rows, 0.6-1.1x at 2048 (0.6x in the tenth session's timings).
     """
     # The shapes called with a row per token: the LM head takes one row per sequence in a
     # prompt step, not the chunk's rows; timed at these rows it was 98% of the timing on

@@ -2,6 +2,8 @@
 // and the tile configuration they load.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
@@ -28,6 +30,25 @@ void pack_b_tiles(const T* src, int64_t n_dim, int64_t k_dim, T* dst) {
       dst[(nt * k_tiles + kt) * 512 + pair * 32 + j * 2 + e] = src[n * k_dim + k];
     }
   }
+}
+
+// The AMX linears' shared argument checks: x's `k_dim` columns and `n_dim` outputs agree with
+// B tiles from pack_b_tiles ([ceil(N/16)][ceil(K/32)][512]); `op` names the caller.
+inline void check_b_tiles(const char* op, const at::Tensor& tiles, int64_t k_dim,
+                          int64_t n_dim) {
+  const int64_t n_tiles = tiles.size(0), k_pad = tiles.size(1) * 32;
+  TORCH_CHECK(k_dim <= k_pad && k_dim > k_pad - 32, op, ": x has ", k_dim,
+              " columns, the tiles were packed for ", k_pad, " (padded)");
+  TORCH_CHECK(n_dim <= n_tiles * 16 && n_dim > (n_tiles - 1) * 16, op,
+              ": n does not match the tiles");
+}
+
+// The bias as contiguous fp32, one per output channel (undefined where there is none).
+inline at::Tensor float_bias(const char* op, const c10::optional<at::Tensor>& bias,
+                             int64_t n_dim) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == n_dim, op, ": one bias per output channel");
+  return bias->to(at::kFloat).contiguous();
 }
 
 // Whether this build has the AMX kernels and the kernel lets this process use AMX: Linux

@@ -139,15 +139,8 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& tiles,
               "amx_bf16_linear: tiles must come from amx_pack_bf16");
   const int64_t m_dim = x.size(0), k_dim = x.size(1);
   const int64_t n_tiles = tiles.size(0), k_pad = tiles.size(1) * kTileK;
-  TORCH_CHECK(k_dim <= k_pad && k_dim > k_pad - kTileK, "amx_bf16_linear: x has ", k_dim,
-              " columns, the tiles were packed for ", k_pad, " (padded)");
-  TORCH_CHECK(n_dim <= n_tiles * kTileN && n_dim > (n_tiles - 1) * kTileN,
-              "amx_bf16_linear: n does not match the tiles");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n_dim, "amx_bf16_linear: one bias per output channel");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  headrace::check_b_tiles("amx_bf16_linear", tiles, k_dim, n_dim);
+  const at::Tensor b = headrace::float_bias("amx_bf16_linear", bias, n_dim);
   at::Tensor out = at::empty({m_dim, n_dim}, x.options());
 #if HEADRACE_AMX
   if (m_dim == 0) return out;
