@@ -96,12 +96,18 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 // Vector path for the common head sizes (AVX-512 or AVX2, through Vec): the key row is
 // widened once per token for all g query heads.
 
-// Tokens a call of for_each_block's fn covers: the prefetch of the next block is spread over
+// Tokens a call of for_each_block's fn covers: the prefetch of blocks ahead is spread over
 // the block in pieces this size, four tokens of it per four computed. Prefetching a whole
-// 16-token block at once (64 lines for D = 64) filled the core's miss buffers: on Zen 1 the
-// prefetch instruction itself took a sixth of the kernel's samples at 512 keys.
+// 16-token block at once (64 lines for D = 64 in fp32) filled the core's miss buffers: on
+// Zen 1 the prefetch instruction itself took a sixth of the kernel's samples at 512 keys.
 constexpr int64_t kPiece = 4;
 static_assert(kPiece % 4 == 0, "the score pass takes four keys at a time from a piece");
+
+// Blocks ahead of the one computed that for_each_block prefetches. A block's pass takes
+// ~50 ns with its rows in cache, well under a cold read: with one block ahead, 30 layers'
+// decode attention over scattered blocks took 5.4-6.1 ms at 32 x 160 keys against 4.4-4.9
+// three ahead (Intel AMX guest; two and four ahead were between or level with three).
+constexpr int64_t kBlocksAhead = 3;
 
 // Prefetch n tokens' rows for this KV head while earlier tokens are computed: blocks sit
 // anywhere in a cache of hundreds of MB, so each is a cold, non-sequential read.
@@ -114,8 +120,9 @@ inline void prefetch_rows(const T* row, int64_t n, int64_t token_stride, int64_t
 
 // fn(rows, start, n) for each piece of up to kPiece tokens of one KV head's keys or values,
 // in order: `rows` is the piece's first token for this head (tokens kv_heads * D apart),
-// `start` its position, `n` its tokens; with `prefetch`, the same tokens of the next block are
-// prefetched before each piece.
+// `start` its position, `n` its tokens. With `prefetch`, the same tokens of the block
+// kBlocksAhead on are prefetched before each piece, and of every block up to it during the
+// first block (the first itself is fetched during the item before: `run`).
 template <int D, typename T, typename Fn>
 inline void for_each_block(const T* cache, const int64_t* table, int64_t seq_len, int64_t kvh,
                            int64_t kv_heads, int64_t block_size, bool prefetch, Fn&& fn) {
@@ -124,14 +131,21 @@ inline void for_each_block(const T* cache, const int64_t* table, int64_t seq_len
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t start = 0, blk = 0; start < seq_len; start += block_size, ++blk) {
     const T* rows = cache + table[blk] * block_stride + kvh * D;
-    const bool more = prefetch && blk + 1 < num_blocks;
-    const T* next = more ? cache + table[blk + 1] * block_stride + kvh * D : nullptr;
     const int64_t n = std::min(block_size, seq_len - start);
-    const int64_t next_n = std::min(block_size, seq_len - start - block_size);
+    // The blocks whose prefetch is spread over this one.
+    const T* ahead[kBlocksAhead];
+    int64_t ahead_n[kBlocksAhead], count = 0;
+    if (prefetch)
+      for (int64_t a = blk == 0 ? 1 : kBlocksAhead; a <= kBlocksAhead && blk + a < num_blocks;
+           ++a, ++count) {
+        ahead[count] = cache + table[blk + a] * block_stride + kvh * D;
+        ahead_n[count] = std::min(block_size, seq_len - (blk + a) * block_size);
+      }
     for (int64_t t = 0; t < n; t += kPiece) {
       const int64_t m = std::min(kPiece, n - t);
-      if (next && t < next_n)
-        prefetch_rows(next + t * token_stride, std::min(m, next_n - t), token_stride, D);
+      for (int64_t i = 0; i < count; ++i)
+        if (t < ahead_n[i])
+          prefetch_rows(ahead[i] + t * token_stride, std::min(m, ahead_n[i] - t), token_stride, D);
       fn(rows + t * token_stride, start + t, m);
     }
   }
@@ -411,22 +425,43 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
     first[b + 1] = first[b] + (splits_ok ? splits_of(lens[b], block_size) : 1) * kv_heads;
   const int64_t items = first[batch], stride = group * (2 + head_dim);
   std::vector<float> partials(items > batch * kv_heads ? items * stride : 0);
+  // Where an item's keys are: request b (found from `b` on), KV head kvh, and its split's
+  // first block and length.
+  struct Item {
+    int64_t b, kvh, block0, len;
+  };
+  auto locate = [&](int64_t item, int64_t b) {
+    while (item >= first[b + 1]) ++b;
+    const int64_t splits = (first[b + 1] - first[b]) / kv_heads;
+    const int64_t kvh = (item - first[b]) / splits, split = (item - first[b]) % splits;
+    if (splits == 1) return Item{b, kvh, 0, lens[b]};
+    const int64_t per = split_blocks(lens[b], block_size), block0 = split * per;
+    const int64_t len = std::min(lens[b], (block0 + per) * block_size) - block0 * block_size;
+    return Item{b, kvh, block0, len};
+  };
   // Grain 1: an item is a whole pass over its keys.
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
-      while (item >= first[b + 1]) ++b;
-      const int64_t splits = (first[b + 1] - first[b]) / kv_heads;
-      const int64_t kvh = (item - first[b]) / splits, split = (item - first[b]) % splits;
-      const int64_t offset = (b * heads + kvh * group) * head_dim;
-      const int64_t* table = table_ptr + b * max_blocks;
-      if (splits == 1) {
-        attend(offset, table, lens[b], kvh, nullptr);
-        continue;
+      const Item it = locate(item, b);
+      b = it.b;
+#if HEADRACE_VEC
+      // The first block of the next item's keys and values, fetched while this item
+      // computes: each item's passes started on a cold block otherwise.
+      if (item + 1 < end) {
+        const Item next = locate(item + 1, b);
+        const int64_t token_stride = kv_heads * head_dim;
+        const int64_t at = table_ptr[next.b * max_blocks + next.block0] * block_size *
+                               token_stride + next.kvh * head_dim;
+        const int64_t n = std::min(block_size, next.len);
+        prefetch_rows(k_ptr + at, n, token_stride, head_dim);
+        prefetch_rows(v_ptr + at, n, token_stride, head_dim);
       }
-      const int64_t per = split_blocks(lens[b], block_size), block0 = split * per;
-      const int64_t len = std::min(lens[b], (block0 + per) * block_size) - block0 * block_size;
-      attend(offset, table + block0, len, kvh, partials.data() + item * stride);
+#endif
+      const int64_t offset = (b * heads + it.kvh * group) * head_dim;
+      const int64_t* table = table_ptr + b * max_blocks + it.block0;
+      const bool whole = first[b + 1] - first[b] == kv_heads;
+      attend(offset, table, it.len, it.kvh, whole ? nullptr : partials.data() + item * stride);
     }
   });
 #if HEADRACE_VEC
