@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runner.sampler import SamplingBatch, _filter, process_logits
+from runner.sampler import SamplingBatch, _filter, process_logits, row_argmax
 
 LogprobEntry = tuple[float, dict[int, float]]
 
@@ -71,7 +71,7 @@ def verify_drafts(
     logits = process_logits(logits, batch)
     log_rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
     logprobs_all = logits[log_rows].log_softmax(-1) if log_rows else None
-    target = logits.argmax(-1)  # [R] the greedy choice at every row
+    target = row_argmax(logits)  # [R] the greedy choice at every row
     # draft_at[r]: the draft row r judges (the next row's input); -1 on a bonus row.
     draft_at = torch.full((num_rows,), -1, dtype=torch.long)
     r = 0

@@ -404,13 +404,14 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
 def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
-    # Here the same tests (and the LoRA kernel's and the fused decoder's) run in a fresh
-    # process on a build without AVX-512.
+    # Here the same tests (and the LoRA kernel's, the fused decoder's and row_argmax's) run
+    # in a fresh process on a build without AVX-512.
     env, cache = isa_build("-mno-avx512f")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
-         __file__.replace("test_cpu_ops.py", "test_fused_decode.py"), "-k", "not avx2_build"],
+         __file__.replace("test_cpu_ops.py", "test_fused_decode.py"),
+         __file__.replace("test_cpu_ops.py", "test_row_argmax.py"), "-k", "not avx2_build"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -427,6 +428,7 @@ _ISA_SOURCES = (
     "vec_attention",
     "amx_linear",
     "amx_attention",
+    "argmax",
 )
 
 

@@ -16,6 +16,7 @@ torch.ops.headrace.q4_pack(q, d, m) / q4_linear(x, packed, scales, bias, n) / q4
     (a GGUF's 4-bit blocks on AVX2 maddubs, int8 activations: q4_linear.cpp)
 torch.ops.headrace.decode_layers(x, weights, kv_caches, cos, sin, slots, tables, lens, ...)
     (every decoder layer of a few-row decode step in one call: fused_decode.cpp)
+torch.ops.headrace.row_argmax(logits)   (greedy sampling's argmax: argmax.cpp)
 ```
 
 The sources live next to this file. `load_cpu_ops()` builds them with torch's extension
@@ -55,6 +56,7 @@ SOURCES = (
     "batched_int8.cpp",
     "q4_linear.cpp",
     "fused_decode.cpp",
+    "argmax.cpp",
 )
 # Every header here is in the build key: a list of names once left tile_driver.h out, so an
 # edit to it loaded the stale library.
