@@ -2,7 +2,7 @@
 
 ```
 torch.ops.headrace.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
-torch.ops.headrace.write_kv_(kv_cache, k, v, slots)
+torch.ops.headrace.write_kv_(kv_cache, k, v, slots)   (kv_write.cpp)
 torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
 torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bias, n)
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
@@ -46,6 +46,7 @@ log = logging.getLogger("headrace.cpu_ops")
 
 SOURCES = (
     "paged_attention.cpp",
+    "kv_write.cpp",
     "int8_linear.cpp",
     "amx_linear.cpp",
     "amx_gemm.cpp",

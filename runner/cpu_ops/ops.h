@@ -40,6 +40,8 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale);
+
+// kv_write.cpp
 void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slots);
 

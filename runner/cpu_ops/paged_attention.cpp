@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -524,52 +523,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
-// The step's new keys and values [T, KVH, D] (strided views into the QKV output are fine)
-// into their cache slots: one op for K and V instead of two index_copy_ calls.
-void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& slots) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache [2, N, S, KVH, D]");
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v [T, KVH, D] with contiguous rows");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
-              "k, v and kv_cache dtypes differ");
-  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
-              "k's heads do not match the cache");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0),
-              "slots must be int64, one per token");
-  const at::Tensor sl = slots.contiguous();
-  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range of the cache");
-  const int64_t row_bytes = dim * static_cast<int64_t>(k.element_size());
-  char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const int64_t half_bytes = kv_cache.stride(0) * static_cast<int64_t>(k.element_size());
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t es = static_cast<int64_t>(k.element_size());
-  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      char* dst = cache + sp[t] * heads * row_bytes;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(dst + h * row_bytes, kp + (t * k.stride(0) + h * k.stride(1)) * es,
-                    row_bytes);
-        std::memcpy(dst + half_bytes + h * row_bytes,
-                    vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
-      }
-    }
-  });
-}
-
 }  // namespace headrace::ops
 
 TORCH_LIBRARY(headrace, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
-  m.def("write_kv_(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {
   m.impl("paged_decode_attention", &headrace::ops::paged_decode_attention);
-  m.impl("write_kv_", &headrace::ops::write_kv_);
 }
