@@ -134,8 +134,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [N, V] logits, first index on ties, as `argmax`.
 
     On CPU the kernels' `row_argmax` (vector lanes, rows over the threads) where they are
-    loaded; else `max`, whose indices come in one pass 2.5x faster than `argmax`'s ([32,
-    49152] fp32: 0.42 against 1.06 ms), which the kernel takes to ~0.05 ms.
+    loaded (0.14 ms for [32, 49152] fp32); else `max`, whose indices come in one pass 2.5x
+    faster than `argmax`'s (0.42 against 1.06 ms).
     """
     if x.is_cpu and x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and _has_argmax_op():
         return torch.ops.headrace.row_argmax(x)

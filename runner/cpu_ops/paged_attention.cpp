@@ -104,7 +104,7 @@ static_assert(kPiece % 4 == 0, "the score pass takes four keys at a time from a 
 
 // Blocks ahead of the one computed that for_each_block prefetches. A block's pass takes
 // ~50 ns with its rows in cache, well under a cold read: with one block ahead, 30 layers'
-// decode attention over scattered blocks took 5.4-6.1 ms at 32 x 160 keys against 4.4-4.9
+// decode attention over scattered blocks took 5.0-6.1 ms at 32 x 160 keys against 4.2-4.9
 // three ahead (Intel AMX guest; two and four ahead were between or level with three).
 constexpr int64_t kBlocksAhead = 3;
 
