@@ -17,6 +17,9 @@ from runner.layers.linear import Linear, LinearShape
 
 log = logging.getLogger("headrace.platform")
 
+# Timed when the caller has no model shapes (a model with no `Linear`): an MLP-sized one.
+_FALLBACK_SHAPES = (LinearShape(3072, 576, True, 1),)
+
 
 def best_of_interleaved(runs: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
     """Seconds of each run, best of `rounds` rounds that take every run in turn: a busy
@@ -105,7 +108,7 @@ def onednn_f32_beats_float(
     and 1.5-1.9x faster at 65-128 rows (1.3x at 1 row, 2.6x at 8 with the weights streaming
     from memory); on other CPUs either may win, hence the timing.
     """
-    shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
+    shapes = list(linears) or _FALLBACK_SHAPES
     by_rows = _own_format_totals(shapes, ("float", "onednn_f32"), torch.float32, rows, reps)
     totals = {name: sum(by_rows[name, n] for n in rows) for name in ("float", "onednn_f32")}
     log.info(
@@ -141,8 +144,7 @@ def amx_gemm_rows(
     # The shapes called with a row per token: the LM head takes one row per sequence in a
     # prompt step, not the chunk's rows; timed at these rows it was 98% of the timing on
     # SmolLM2 (714 ms) and hid the decoder's shapes.
-    shapes = [s for s in linears if s.per_token] or list(linears)
-    shapes = shapes or [LinearShape(3072, 576, True, 1)]
+    shapes = [s for s in linears if s.per_token] or _FALLBACK_SHAPES
     totals = _own_format_totals(shapes, ("onednn", "amx_bf16"), torch.bfloat16, rows, reps)
     served = 0
     for n in rows:
@@ -188,7 +190,7 @@ def int8_beats_float(
     layers int8 leaves float then take fp32 inputs. Timing every shape at its real dtype, with
     a margin, keeps that near-tie from choosing int8.
     """
-    shapes = list(linears) or [LinearShape(3072, 576, True, 1)]
+    shapes = list(linears) or _FALLBACK_SHAPES
 
     def runs(shape: LinearShape, weight: torch.Tensor) -> dict[str, Callable[[], None]]:
         out = {}

@@ -424,31 +424,32 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
     first[b + 1] = first[b] + (splits_ok ? splits_of(lens[b], block_size) : 1) * kv_heads;
   const int64_t items = first[batch], stride = group * (2 + head_dim);
   std::vector<float> partials(items > batch * kv_heads ? items * stride : 0);
-  // Where an item's keys are: request b (found from `b` on), KV head kvh, and its split's
-  // first block and length.
+  // Where an item's keys are: request b (found from `b` on), KV head kvh, its split's first
+  // block and length, and whether it is the whole context (no partial to merge).
   struct Item {
     int64_t b, kvh, block0, len;
+    bool whole;
   };
   auto locate = [&](int64_t item, int64_t b) {
     while (item >= first[b + 1]) ++b;
     const int64_t splits = (first[b + 1] - first[b]) / kv_heads;
     const int64_t kvh = (item - first[b]) / splits, split = (item - first[b]) % splits;
-    if (splits == 1) return Item{b, kvh, 0, lens[b]};
+    if (splits == 1) return Item{b, kvh, 0, lens[b], true};
     const int64_t per = split_blocks(lens[b], block_size), block0 = split * per;
     const int64_t len = std::min(lens[b], (block0 + per) * block_size) - block0 * block_size;
-    return Item{b, kvh, block0, len};
+    return Item{b, kvh, block0, len, false};
   };
   // Grain 1: an item is a whole pass over its keys.
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    const int64_t b0 = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    Item it = locate(begin, b0);
     for (int64_t item = begin; item < end; ++item) {
-      const Item it = locate(item, b);
-      b = it.b;
+      // Located once: this item's `next` is the following item's `it`.
+      const Item next = item + 1 < end ? locate(item + 1, it.b) : it;
 #if HEADRACE_VEC
       // The first block of the next item's keys and values, fetched while this item
       // computes: each item's passes started on a cold block otherwise.
       if (item + 1 < end) {
-        const Item next = locate(item + 1, b);
         const int64_t token_stride = kv_heads * head_dim;
         const int64_t at = table_ptr[next.b * max_blocks + next.block0] * block_size *
                                token_stride + next.kvh * head_dim;
@@ -457,10 +458,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
         prefetch_rows(v_ptr + at, n, token_stride, head_dim);
       }
 #endif
-      const int64_t offset = (b * heads + it.kvh * group) * head_dim;
-      const int64_t* table = table_ptr + b * max_blocks + it.block0;
-      const bool whole = first[b + 1] - first[b] == kv_heads;
-      attend(offset, table, it.len, it.kvh, whole ? nullptr : partials.data() + item * stride);
+      const int64_t offset = (it.b * heads + it.kvh * group) * head_dim;
+      const int64_t* table = table_ptr + it.b * max_blocks + it.block0;
+      attend(offset, table, it.len, it.kvh, it.whole ? nullptr : partials.data() + item * stride);
+      it = next;
     }
   });
 #if HEADRACE_VEC
