@@ -4,10 +4,12 @@ platform's timed choice of it over oneDNN."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_fused_decode import build, equal_steps
 from test_linear_formats import AMX, CPU, ZEN3
 
@@ -19,6 +21,17 @@ from runner.platform import select_platform
 
 AMX_HERE = load_cpu_ops() is None and bool(torch.ops.headrace.amx_usable())
 needs_amx = pytest.mark.skipif(not AMX_HERE, reason="no usable AMX here")
+
+
+@contextlib.contextmanager
+def two_threads():
+    """The kernels' split of rows over threads depends on the count: pin the CI machine's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_pack_lays_out_pair_interleaved_bf16_tiles():
@@ -45,16 +58,20 @@ def test_the_op_computes_the_bf16_product_or_says_why_not():
             with pytest.raises(RuntimeError, match="no usable AMX"):
                 op(torch.zeros(1, k_dim, dtype=torch.bfloat16), tiles, bias, n_dim)
             continue
-        for rows in (1, 15, 16, 17, 33, 100, 300):  # ragged row tiles and 32-row steps
+        # Ragged row tiles and 32-row steps; on two threads past 512 rows the threads split
+        # the rows, not the channels (600: its second thread's share ends in a ragged tile).
+        for rows in (1, 15, 16, 17, 33, 100, 300, 600):
             wide = torch.randn(rows, k_dim + 8).bfloat16()
             x = wide[:, 3 : 3 + k_dim]  # rows apart by more than K: read in place
             want = x.float() @ w.float().t() + bias
-            got = op(x, tiles, bias, n_dim)
+            with two_threads():
+                got = op(x, tiles, bias, n_dim)
+                assert torch.equal(op(x.contiguous(), tiles, bias, n_dim), got)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n_dim)
             torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max(), rtol=2e-2)
-            assert torch.equal(op(x.contiguous(), tiles, bias, n_dim), got)
-            # A row's answer is its own whatever shares its call (the split is by channels).
+            # A row's answer is its own whatever shares its call and however it is split.
             assert torch.equal(op(x[:1], tiles, bias, n_dim), got[:1])
+            assert torch.equal(op(x[-3:], tiles, bias, n_dim), got[-3:])
         no_bias = op(x, tiles, None, n_dim).float()
         torch.testing.assert_close(no_bias, (got.float() - bias), atol=0.1, rtol=2e-2)
         with pytest.raises(RuntimeError, match="columns, the tiles were packed for"):
@@ -63,6 +80,74 @@ def test_the_op_computes_the_bf16_product_or_says_why_not():
             op(x, tiles, bias, n_dim + 16)
         with pytest.raises(RuntimeError, match="x \\[M, K\\] bf16"):
             op(x.float(), tiles, bias, n_dim)
+
+
+def test_silu_mul_is_the_product_then_silu_and_mul_bit_for_bit_or_says_why_not():
+    op = torch.ops.headrace.amx_bf16_silu_mul
+    torch.manual_seed(3)
+    # SmolLM2's gate/up (2 x 1536 from 576) and a small one whose K is off the tile grid.
+    for inter, k_dim in ((1536, 576), (48, 40)):
+        w = torch.randn(2 * inter, k_dim).bfloat16()
+        tiles = torch.ops.headrace.amx_pack_bf16(w)
+        if not AMX_HERE:
+            with pytest.raises(RuntimeError, match="no usable AMX"):
+                op(torch.zeros(1, k_dim, dtype=torch.bfloat16), tiles, 2 * inter)
+            continue
+        for rows in (1, 17, 100, 600):  # 600: the rows split over two threads
+            x = torch.randn(rows, k_dim).bfloat16()
+            with two_threads():
+                gate_up = torch.ops.headrace.amx_bf16_linear(x, tiles, None, 2 * inter)
+                got = op(x, tiles, 2 * inter)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+            assert torch.equal(got, torch.ops.headrace.silu_and_mul(gate_up))
+            gate, up = gate_up.float().split(inter, dim=1)
+            torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+            assert torch.equal(op(x[-1:], tiles, 2 * inter), got[-1:])
+    if not AMX_HERE:
+        return
+    # Gate channel p's up partner is tile p + n_tiles / 2 only where the halves are whole
+    # pairs of tiles; the op says so rather than pair the wrong channels.
+    tiles = torch.ops.headrace.amx_pack_bf16(torch.randn(48, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="must be a multiple of 32"):
+        op(torch.zeros(2, 32, dtype=torch.bfloat16), tiles, 48)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        op(torch.zeros(2, 32, dtype=torch.bfloat16), tiles, 64)
+
+
+@needs_amx
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
+def test_a_gated_layer_fuses_its_activation_where_its_call_takes_the_tiles():
+    torch.manual_seed(0)
+    layer = Linear(64, 128, bias=False, gated=True).to(torch.bfloat16)
+    layer.pack("onednn", amx_rows=16)
+    x = torch.randn(20, 64).bfloat16()
+    calls = []
+    own = layer._amx
+
+    class Spy:
+        tiles, bias, out_features, fuses_silu_mul = own.tiles, None, 128, True
+
+        def silu_mul(self, rows):
+            calls.append(rows.shape[0])
+            return own.silu_mul(rows)
+
+    layer._amx = Spy()
+    fused = layer.silu_mul(x[:16])
+    assert calls == [16] and fused.shape == (16, 64)
+    assert torch.equal(fused, torch.ops.headrace.silu_and_mul(own(x[:16])))
+    # 20 rows take oneDNN, then silu_and_mul; so do 2-D calls with leading dimensions.
+    assert torch.equal(layer.silu_mul(x), torch.ops.headrace.silu_and_mul(layer(x)))
+    assert layer.silu_mul(x[:16].view(2, 8, 64)).shape == (2, 8, 64)
+    assert calls == [16, 16]
+    # A bias, or halves that are not whole tile pairs: the two steps, whatever the rows.
+    biased = Linear(64, 128, bias=True, gated=True).to(torch.bfloat16)
+    biased.pack("amx_bf16")
+    assert not biased._amx.fuses_silu_mul
+    y = biased.silu_mul(x)
+    assert torch.equal(y, torch.ops.headrace.silu_and_mul(biased(x)))
+    odd = Linear(64, 80, bias=False, gated=True).to(torch.bfloat16)  # halves of 2.5 tiles
+    odd.pack("amx_bf16")
+    assert not odd._amx.fuses_silu_mul and odd.silu_mul(x).shape == (20, 40)
 
 
 @needs_amx
@@ -164,14 +249,23 @@ def test_bf16_linears_take_the_tiles_up_to_the_rows_where_they_timed_faster():
 
 @needs_amx
 @pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
-def test_the_bf16_gemm_timing_stops_at_the_first_row_count_the_tiles_lose(caplog):
-    shapes = [LinearShape(48, 32, True, 2), LinearShape(50_000, 32, True, 1, per_token=False)]
+def test_the_bf16_gemm_timing_stops_at_the_first_row_count_the_tiles_lose(caplog, monkeypatch):
+    shapes = [
+        LinearShape(48, 32, True, 2),
+        LinearShape(64, 32, False, 1, gated=True),
+        LinearShape(50_000, 32, True, 1, per_token=False),
+    ]
+    gated = []
+    own = Linear.silu_mul
+    monkeypatch.setattr(Linear, "silu_mul", lambda m, x: gated.append(m.format) or own(m, x))
     with caplog.at_level(logging.INFO, logger="headrace.platform"):
         rows = amx_gemm_rows(shapes, rows=(3, 40), reps=1)
     assert rows in (0, 3, 40)
+    # The gate/up shape is timed with its activation, in both formats.
+    assert {"onednn", "amx_bf16"} <= set(gated)
     lines = [r.getMessage() for r in caplog.records if "bf16 GEMM" in r.getMessage()]
     # One line per count timed, on the decoder's shapes only (the LM head's is left out).
-    assert "1 layer shapes, 3 rows" in lines[0] and "AMX tiles" in lines[0]
+    assert "2 layer shapes, 3 rows" in lines[0] and "AMX tiles" in lines[0]
     assert len(lines) == (1 if rows == 0 else 2)
     # An impossible margin is never met, a generous one always is.
     assert amx_gemm_rows(shapes, rows=(3, 40), margin=0.0) == 0

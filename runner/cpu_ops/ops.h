@@ -20,6 +20,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
 // amx_gemm.cpp
 at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& tiles,
                            const c10::optional<at::Tensor>& bias, int64_t n_dim);
+at::Tensor amx_bf16_silu_mul(const at::Tensor& x, const at::Tensor& tiles, int64_t n_dim);
 
 // batched_int8.cpp
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,

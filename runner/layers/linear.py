@@ -14,7 +14,8 @@ amx_bf16 bf16 weight in AMX tiles for runner/cpu_ops/amx_gemm.cpp: the same prod
          count (oneDNN's split idled one of two cores at some prompt row counts). Chosen
          where a start-up timing (AMX CPUs only, runner/format_timing.py) finds the tiles
          faster at every prompt row count; where they win only up to some count, an onednn
-         layer keeps them beside its weight for calls of up to `amx_rows` rows
+         layer keeps them beside its weight for calls of up to `amx_rows` rows. A gated
+         layer (an MLP's gate/up) there gives silu(gate) * up in one pass (`silu_mul`)
 int8     per-output-channel symmetric int8 weight; activations quantised per token at run time;
          int8 x int8 products accumulate in int32, then both scales are applied in fp32
 ```
@@ -165,6 +166,18 @@ class AmxBf16Weight:
             x.to(torch.bfloat16), self.tiles, self.bias, self.out_features
         )
 
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether amx_bf16_silu_mul takes this weight: no bias, halves of whole tile pairs."""
+        return self.bias is None and self.out_features % 32 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, K] float -> [M, N/2] bf16: silu(gate) * up of the output's halves, the same
+        bits as this product then silu_and_mul."""
+        return torch.ops.headrace.amx_bf16_silu_mul(
+            x.to(torch.bfloat16), self.tiles, self.out_features
+        )
+
     def dense(self) -> torch.Tensor:
         """[N, K] bf16: the tiles read back (tile rows hold 16 channels x 2 inputs)."""
         nt, kt, _ = self.tiles.shape
@@ -210,6 +223,7 @@ class Linear(nn.Linear):
         bias: bool = True,
         int8_inputs: bool = True,
         per_token: bool = True,
+        gated: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias)
         # False where the inputs carry outlier channels that per-token int8 crushes: the
@@ -219,6 +233,9 @@ class Linear(nn.Linear):
         # (the LM head): the start-up timing of prompt-row GEMMs leaves it out, and it keeps
         # no AMX tiles for prompt rows it never gets.
         self.per_token = per_token
+        # True for an MLP's gate/up: its output is [gate, up] halves, read only as
+        # silu(gate) * up (`silu_mul`), which the AMX tiles give in one pass.
+        self.gated = gated
         self.format = "float"
         self._onednn: torch.Tensor | None = None
         self._onednn_bias: torch.Tensor | None = None
@@ -389,6 +406,16 @@ class Linear(nn.Linear):
             y = y.to(x.dtype)
         return y.view(*lead, y.shape[-1])
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output halves [..., 2I] -> [..., I] (the CPU ops'
+        silu_and_mul): one pass where the call takes the AMX tiles, else the two steps."""
+        x2 = x.reshape(-1, x.shape[-1])
+        amx = self._amx
+        if amx is not None and amx.fuses_silu_mul and self.kernel_for(x2.shape[0]) == "amx_bf16":
+            y = amx.silu_mul(x2).to(x.dtype)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return torch.ops.headrace.silu_and_mul(self(x))
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.format}"
 
@@ -429,13 +456,14 @@ class LinearShape:
     int8_inputs: bool
     count: int
     per_token: bool = True  # as Linear.per_token
+    gated: bool = False  # as Linear.gated
 
 
 def linear_shapes(model: nn.Module) -> list[LinearShape]:
     """The model's `Linear`s grouped by shape (works on a meta-device model: no weights)."""
     counts = Counter(
-        (m.out_features, m.in_features, m.int8_inputs, m.per_token)
+        (m.out_features, m.in_features, m.int8_inputs, m.per_token, m.gated)
         for m in model.modules()
         if isinstance(m, Linear)
     )
-    return [LinearShape(o, i, q, n, t) for (o, i, q, t), n in counts.items()]
+    return [LinearShape(o, i, q, n, t, g) for (o, i, q, t, g), n in counts.items()]
