@@ -60,29 +60,40 @@ at::Tensor amx_pack_bf16(const at::Tensor& w) {
 
 #if HEADRACE_AMX
 
-// Bias and store up to 16 rows of one channel tile's fp32 sums as bf16 (masked at N's end).
-void store_rows(const float* acc, int64_t rows, int64_t n0, int64_t n_dim, const float* bias,
-                uint16_t* out) {
-  const int64_t valid = std::min<int64_t>(kTileN, n_dim - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r)
-    _mm256_mask_storeu_epi16(out + r * n_dim + n0, mask,
-                             headrace::to_bf16(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b)));
-}
+// A 32 x 32 block's fp32 sums (four tiles: rows 0-15 and 16-31 of channel tiles nt0 and
+// nt1), on their way out as bf16 while the next block's products run: the tile unit and the
+// vector units then work at once. Done in one piece after its products, the way out took
+// 26% of a layer's time at 2,048 rows (40% of gate/up's with silu * up).
+struct Leaving {
+  const float (*acc)[kTileN * kTileN] = nullptr;
+  int64_t m0 = 0, rows = 0, next = 0;  // rows [m0, m0 + rows), the next one to store
+  int64_t nt0 = 0, pair = 0;
+  bool two_n = false;
+};
 
-// silu(gate) * up of up to 16 rows of a gate tile's and its up tile's fp32 sums, stored as
-// bf16. Both are rounded to bf16 first, and silu's output too, as amx_bf16_linear's output
-// then silu_and_mul (elementwise.cpp) round them: the fused op gives the same bits.
-void store_silu_mul(const float* gate, const float* up, int64_t rows, int64_t c0,
-                    int64_t width, uint16_t* out) {
-  const c10::BFloat16* bf16 = nullptr;  // the rounding tag
-  const headrace::Vec one = headrace::Vec::set1(1.0f), zero = headrace::Vec::set1(0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const headrace::Vec g = headrace::Vec::load(gate + r * 16).rounded(bf16);
+// One output row of a leaving block: biased sums (masked at N's end), or with kSiluMul
+// silu(gate) * up with gate, up and silu's output rounded to bf16 as amx_bf16_linear's
+// output then silu_and_mul (elementwise.cpp) round them: the fused op gives the same bits.
+template <bool kSiluMul>
+void store_row(const Leaving& b, int64_t r, int64_t n_dim, const float* bias, uint16_t* out) {
+  const float* sums = b.acc[r < 16 ? 0 : 2] + (r % 16) * kTileN;
+  const int64_t row = b.m0 + r;
+  if constexpr (kSiluMul) {
+    const c10::BFloat16* bf16 = nullptr;  // the rounding tag
+    const headrace::Vec one = headrace::Vec::set1(1.0f), zero = headrace::Vec::set1(0.0f);
+    const headrace::Vec g = headrace::Vec::load(sums).rounded(bf16);
     const headrace::Vec silu = (g * (one + (zero - g).exp()).rcp()).rounded(bf16);
-    const headrace::Vec y = silu * headrace::Vec::load(up + r * 16).rounded(bf16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * width + c0), headrace::to_bf16(y.v));
+    const headrace::Vec y = silu * headrace::Vec::load(sums + kTileN * kTileN).rounded(bf16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * (n_dim / 2) + b.pair * kTileN),
+                        headrace::to_bf16(y.v));
+  } else {
+    for (int64_t t = 0; t < (b.two_n ? 2 : 1); ++t) {
+      const int64_t n0 = (b.nt0 + t) * kTileN, valid = std::min<int64_t>(kTileN, n_dim - n0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      __m512 y = _mm512_load_ps(sums + t * kTileN * kTileN);
+      if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias + n0));
+      _mm256_mask_storeu_epi16(out + row * n_dim + n0, mask, headrace::to_bf16(y));
+    }
   }
 }
 
@@ -90,9 +101,10 @@ void store_silu_mul(const float* gate, const float* up, int64_t rows, int64_t c0
 // rows zero padded to 16 (tile loads read whole tiles).
 //
 // Per thread: its share of the channel pairs (or, past kSplitRows rows a thread, of the
-// rows); per block of its rows, each of its pairs passes over all of them, 32 rows at a time, with its weights reloaded from L1 and the rows streamed from
-// L2 (the T1 hint keeps them from evicting the weights). Walking the rows inner and the
-// pairs outer ran 1.8-2.0 TFLOP/s; this order 2.3-3.5 on the same shapes.
+// rows); per block of its rows, each of its pairs passes over all of them, 32 rows at a
+// time, with its weights reloaded from L1 and the rows streamed from L2 (the T1 hint keeps
+// them from evicting the weights). Walking the rows inner and the pairs outer ran 1.8-2.0
+// TFLOP/s; this order 2.3-3.5 on the same shapes.
 //
 // A pair is two channel tiles that share the row tiles' loads: neighbours (2p, 2p + 1) with
 // their biased sums stored, or with kSiluMul gate tile p and its up tile p + n_tiles / 2,
@@ -102,7 +114,6 @@ void run(const uint16_t* x, int64_t x_stride, const uint16_t* tail, int64_t m_di
          int64_t k_pad, const uint16_t* tiles, int64_t n_tiles, const float* bias, int64_t n_dim,
          uint16_t* out) {
   const int64_t k_tiles = k_pad / kTileK, pairs = kSiluMul ? n_tiles / 2 : (n_tiles + 1) / 2;
-  const int64_t out_width = kSiluMul ? n_dim / 2 : n_dim;
   const int64_t full = m_dim / 16 * 16;
   const auto rows_at = [&](int64_t m0) { return m0 < full ? x + m0 * x_stride : tail; };
   const auto stride_at = [&](int64_t m0) { return (m0 < full ? x_stride : k_pad) * 2; };
@@ -111,9 +122,17 @@ void run(const uint16_t* x, int64_t x_stride, const uint16_t* tail, int64_t m_di
   const int64_t row_units = (m_dim + 31) / 32;  // rows are split in whole 32-row steps
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), split_rows ? row_units : pairs);
   const int64_t row_block = std::max<int64_t>(32, kRowBlockBytes / (k_pad * 2) / 32 * 32);
+  // Rows of the leaving block stored per step along K: all of them by the block's last step.
+  const int64_t rows_a_step = (32 + k_tiles - 1) / k_tiles;
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     headrace::load_tile_config(16, 64);
-    alignas(64) float acc[4][kTileN * kTileN];
+    alignas(64) float acc[2][4][kTileN * kTileN];  // the running block's and the leaving one's
+    Leaving leaving;
+    const auto store = [&](int64_t until) {
+      for (const int64_t end = std::min(until, leaving.rows); leaving.next < end; ++leaving.next)
+        store_row<kSiluMul>(leaving, leaving.next, n_dim, bias, out);
+    };
+    int set = 0;
     const int64_t p_begin = split_rows ? 0 : pairs * t_begin / threads;
     const int64_t p_end = split_rows ? pairs : pairs * t_end / threads;
     const int64_t m_begin = split_rows ? row_units * t_begin / threads * 32 : 0;
@@ -147,27 +166,22 @@ void run(const uint16_t* x, int64_t x_stride, const uint16_t* tail, int64_t m_di
               _tile_dpbf16ps(2, 5, 6);
               if (two_n) _tile_dpbf16ps(3, 5, 7);
             }
+            store((kt + 1) * rows_a_step);
           }
-          _tile_stored(0, acc[0], 64);
-          if (two_n) _tile_stored(1, acc[1], 64);
+          store(32);
+          float (*sums)[kTileN * kTileN] = acc[set];
+          _tile_stored(0, sums[0], 64);
+          if (two_n) _tile_stored(1, sums[1], 64);
           if (two_m) {
-            _tile_stored(2, acc[2], 64);
-            if (two_n) _tile_stored(3, acc[3], 64);
+            _tile_stored(2, sums[2], 64);
+            if (two_n) _tile_stored(3, sums[3], 64);
           }
-          for (int64_t half = 0; half < (two_m ? 2 : 1); ++half) {
-            const int64_t r0 = m0 + 16 * half, rows = std::min<int64_t>(16, m_dim - r0);
-            if constexpr (kSiluMul) {
-              store_silu_mul(acc[2 * half], acc[2 * half + 1], rows, pair * kTileN, out_width,
-                             out + r0 * out_width);
-            } else {
-              for (int64_t t = 0; t < (two_n ? 2 : 1); ++t)
-                store_rows(acc[2 * half + t], rows, (nt0 + t) * kTileN, n_dim, bias,
-                           out + r0 * n_dim);
-            }
-          }
+          leaving = {sums, m0, std::min<int64_t>(32, mb_end - m0), 0, nt0, pair, two_n};
+          set ^= 1;
         }
       }
     }
+    store(32);
     _tile_release();
   });
 }
