@@ -6,6 +6,8 @@ torch.ops.headrace.write_kv_(kv_cache, k, v, slots)   (kv_write.cpp)
 torch.ops.headrace.int8_weight_linear(x, qweight, scale, bias)
 torch.ops.headrace.amx_pack_int8(qweight) / amx_int8_linear(x, tiles, scale, bias, n)
 torch.ops.headrace.amx_usable()   (AMX builds on a kernel that grants the tile state)
+torch.ops.headrace.amx_pack_bf16(w) / amx_bf16_linear(x, tiles, bias, n) /
+    amx_bf16_silu_mul(x, tiles, n)   (prompt rows on AMX tiles: amx_gemm.cpp)
 torch.ops.headrace.paged_prefill_attention_(out, q, kv_cache, tables, seq_lens, starts, lens, s)
 torch.ops.headrace.paged_prefill_attention_vec_(...)   (the same without AMX: vec_attention.cpp)
 torch.ops.headrace.rms_norm / add_rms_norm_ / silu_and_mul / rotary_   (elementwise.cpp)
