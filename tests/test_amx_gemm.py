@@ -135,9 +135,10 @@ def test_a_gated_layer_fuses_its_activation_where_its_call_takes_the_tiles():
     fused = layer.silu_mul(x[:16])
     assert calls == [16] and fused.shape == (16, 64)
     assert torch.equal(fused, torch.ops.headrace.silu_and_mul(own(x[:16])))
-    # 20 rows take oneDNN, then silu_and_mul; so do 2-D calls with leading dimensions.
+    # 20 rows take oneDNN, then silu_and_mul; leading dimensions are kept either way.
     assert torch.equal(layer.silu_mul(x), torch.ops.headrace.silu_and_mul(layer(x)))
-    assert layer.silu_mul(x[:16].view(2, 8, 64)).shape == (2, 8, 64)
+    assert torch.equal(layer.silu_mul(x.view(2, 10, 64)).view(20, 64), layer.silu_mul(x))
+    assert torch.equal(layer.silu_mul(x[:16].view(2, 8, 64)).view(16, 64), fused)
     assert calls == [16, 16]
     # A bias, or halves that are not whole tile pairs: the two steps, whatever the rows.
     biased = Linear(64, 128, bias=True, gated=True).to(torch.bfloat16)

@@ -413,8 +413,9 @@ class Linear(nn.Linear):
         amx = self._amx
         if amx is not None and amx.fuses_silu_mul and self.kernel_for(x2.shape[0]) == "amx_bf16":
             y = amx.silu_mul(x2).to(x.dtype)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        return torch.ops.headrace.silu_and_mul(self(x))
+        else:
+            y = torch.ops.headrace.silu_and_mul(self(x2))
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.format}"
