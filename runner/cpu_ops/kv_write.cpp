@@ -34,12 +34,11 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range of the cache");
-  const int64_t row_bytes = dim * static_cast<int64_t>(k.element_size());
+  const int64_t es = static_cast<int64_t>(k.element_size());
+  const int64_t row_bytes = dim * es, half_bytes = kv_cache.stride(0) * es;
   char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const int64_t half_bytes = kv_cache.stride(0) * static_cast<int64_t>(k.element_size());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t es = static_cast<int64_t>(k.element_size());
   at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       char* dst = cache + sp[t] * heads * row_bytes;
