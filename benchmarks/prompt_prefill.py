@@ -10,7 +10,7 @@ prompt chunks, interleaved, on one Engine with the default C++ attention backend
 rows and the fused ops stay the same):
 
     amx      where the CPU has AMX (bf16): runner/cpu_ops/amx_attention.cpp
-    vec      the vector kernel (AVX-512 / AVX512-BF16 / AVX2): runner/cpu_ops/vec_attention.cpp
+    vec      the vector kernel (AVX-512 / AVX2): runner/cpu_ops/vec_attention.cpp
     causal   the torch reference: SDPA with `is_causal` for prompts from position 0
     masked   the torch reference forced onto its general path: an explicit additive mask
              over the folded KV-head groups (what every prompt took before `is_causal`)

@@ -3,12 +3,18 @@
 //
 // A tile is up to 16 query positions times the g query heads that share one KV head (at most
 // 64 rows), so every cached key and value row is read once per tile. The tile walks the keys
-// up to its last position, kKeys (16) at a time, always inside one block: the keys are
-// transposed into [D][16], so each row's 16 scores are one AVX-512 vector (two AVX2 ones) of
-// broadcast-FMAs (with AVX512-BF16 and a bf16 cache the bf16 pairs are transposed as 32-bit
-// words and multiplied by _mm512_dpbf16_ps, no widening); online softmax in fp32; values
-// accumulated in fp32, each row widened once per few query rows (with AVX512-BF16: P rounded
-// to bf16, as the AMX kernel does, times value rows paired across keys on _mm512_dpbf16_ps).
+// up to its last position, kKeys (16) at a time, always inside one block, each chunk's keys
+// and values widened to fp32 once. Rows run along the vector lanes: the queries are
+// transposed once a tile (and scaled), so a key's scores for N rows are one vector of
+// broadcast-FMAs, and the online softmax (running max, rescale, row sums) is vertical vector
+// work with no per-row reductions. Values accumulate in fp32 rows.
+//
+// fp32 FMAs rather than AVX512-BF16 dot products: on Sapphire Rapids (AMX masked) a
+// _mm512_dpbf16_ps issues every other cycle, two FMAs every cycle, and the earlier kernel on
+// dot products (keys transposed per chunk, softmax a row at a time) took 7.1 ms for 4 x 512
+// SmolLM2 prompt tokens a layer, where this one takes 4.4 (SDPA 5.6-6.3). Zen 4's bf16 dot
+// products are said to issue as often as its FMAs; a bf16 score pass chosen by measurement
+// could pay there (not measured: no Zen 4 was lent since).
 //
 //   paged_prefill_attention_vec_(out [T, H, D], q [T, H, D], kv_cache [2, N, S, KVH, D],
 //                                block_tables [B, max_blocks], seq_lens [B], q_starts [B],
@@ -25,8 +31,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -43,200 +47,66 @@ constexpr float kNoMax = -1e30f;
 
 #if HEADRACE_VEC
 constexpr int64_t N = Vec::N;
-#if defined(__AVX512F__)
-// dst[c * dst_stride + r] = word c of row r (rows r >= n read as 0): a 16 x 16 block of 32-bit
-// words (fp32 values or bf16 pairs), row r at src + r * stride.
-inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst,
-                            int64_t dst_stride) {
-  __m512i r[16], a[16];
-  for (int i = 0; i < 16; ++i)
-    r[i] = i < n ? _mm512_loadu_si512(src + i * stride) : _mm512_setzero_si512();
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  // Now r[4i + j], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + j.
-  for (int j = 0; j < 4; ++j) {
-    const __m512i c0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-    const __m512i c1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-    const __m512i c2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    const __m512i c3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-    _mm512_storeu_si512(dst + j * dst_stride, _mm512_shuffle_i32x4(c0, c2, 0x88));
-    _mm512_storeu_si512(dst + (4 + j) * dst_stride, _mm512_shuffle_i32x4(c1, c3, 0x88));
-    _mm512_storeu_si512(dst + (8 + j) * dst_stride, _mm512_shuffle_i32x4(c0, c2, 0xdd));
-    _mm512_storeu_si512(dst + (12 + j) * dst_stride, _mm512_shuffle_i32x4(c1, c3, 0xdd));
-  }
-}
-// Registers for the value accumulators (32 vector registers) and the widest column run.
-constexpr int kAccRegs = 16, kMaxCols = 8;
-#else
-// The AVX2 version: an 8 x 8 block.
-inline void transpose_words(const uint32_t* src, int64_t stride, int64_t n, uint32_t* dst,
-                            int64_t dst_stride) {
-  __m256 r[8], a[8];
-  for (int i = 0; i < 8; ++i)
-    r[i] = i < n ? _mm256_loadu_ps(reinterpret_cast<const float*>(src + i * stride))
-                 : _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    a[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  const auto lo = [](__m256 x, __m256 y) {
-    return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)));
-  };
-  const auto hi = [](__m256 x, __m256 y) {
-    return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)));
-  };
-  for (int i = 0; i < 2; ++i) {
-    r[4 * i] = lo(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 1] = hi(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 2] = lo(a[4 * i + 1], a[4 * i + 3]);
-    r[4 * i + 3] = hi(a[4 * i + 1], a[4 * i + 3]);
-  }
-  // Now r[4i + j], 128-bit half L: rows 4i .. 4i + 3 of column 4L + j.
-  float* out = reinterpret_cast<float*>(dst);
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(out + j * dst_stride, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
-    _mm256_storeu_ps(out + (4 + j) * dst_stride, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
-  }
-}
-// 16 vector registers: 8 accumulators, 4 value vectors, a broadcast.
-constexpr int kAccRegs = 8, kMaxCols = 4;
-#endif
-
-// bf16 dot products of bf16 caches where the CPU has them (the fp32 path widens instead).
-template <typename T>
-constexpr bool kDot =
-#if defined(__AVX512BF16__)
-    std::is_same_v<T, c10::BFloat16>;
-#else
-    false;
-#endif
-
-// Keys a chunk covers (at most; a chunk never crosses a block), as NC vectors of scores a row.
-// 16 on AVX2 too, two vectors: each broadcast of a query value then feeds two FMAs (one fed
-// one, so a row's scores were a broadcast load per FMA), and a row's softmax bookkeeping and
-// its accumulators' rescale come once per 16 keys, not per 8.
+// Keys a chunk covers (at most; a chunk never crosses a block).
 constexpr int64_t kKeys = 16;
-constexpr int NC = static_cast<int>(kKeys / N);
-static_assert(kKeys % N == 0, "a chunk is whole vectors of scores");
-
-// Scores of `rows` (a multiple of 8) rows against one chunk's keys: s[r][t] = q_r . k_t.
-// kt: [D][kKeys] fp32; q: [rows][D] fp32. Blocks of 8 / NC rows x NC vectors of keys.
-template <int D>
-void scores_fp32(const float* q, const float* kt, int64_t rows, float* s) {
-  constexpr int R = 8 / NC;
-  for (int64_t r0 = 0; r0 < rows; r0 += R) {
-    Vec acc[R][NC];
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < NC; ++c) acc[i][c] = Vec::set1(0.0f);
-    for (int d = 0; d < D; ++d) {
-      Vec k[NC];
-      for (int c = 0; c < NC; ++c) k[c] = Vec::load(kt + d * kKeys + c * N);
-      for (int i = 0; i < R; ++i) {
-        const Vec qv = Vec::set1(q[(r0 + i) * D + d]);
-        for (int c = 0; c < NC; ++c) acc[i][c] = Vec::fmadd(qv, k[c], acc[i][c]);
-      }
-    }
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < NC; ++c) acc[i][c].store(s + (r0 + i) * kKeys + c * N);
-  }
-}
-
-#if defined(__AVX512BF16__)
-// As scores_fp32 from bf16 pairs: kw [D / 2][16] words, q [rows][D / 2] words.
-template <int D>
-void scores_bf16(const uint32_t* q, const uint32_t* kw, int64_t rows, float* s) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    __m512 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-    for (int j = 0; j < D / 2; ++j) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kw + j * 16);
-      for (int i = 0; i < 8; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(q[(r0 + i) * (D / 2) + j]), k);
-    }
-    for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s + (r0 + i) * kKeys, acc[i]);
-  }
-}
-
-// The value pass on bf16 dot products: P rounded to bf16 (as the AMX kernel does) times
-// values paired across keys. For pair i (keys 2i, 2i + 1) and 32 dims, unpacklo/hi_epi16 of
-// the two rows give two vectors of (v_2i[d], v_2i+1[d]) words, lane 4L + k holding dim
-// 8L + k (lo) or 8L + 4 + k (hi): the accumulators keep that order, `store_bf16_order` undoes
-// it once at the end. Rows past n are zero (their p is 0, a stale row might hold NaN).
-template <int D>
-void add_values_bf16(const c10::BFloat16* v, int64_t stride, int64_t n, const float* p,
-                     const float* corr, int64_t rows, float* acc) {
-  constexpr int NV = D / 16;  // accumulator vectors a row: lo and hi per 32 dims
-  constexpr int CV = NV < kMaxCols ? NV : kMaxCols;
-  constexpr int MR = kAccRegs / CV;
-  const int64_t pairs = (n + 1) / 2;
-  alignas(64) __m512i vp[8 * NV];
-  for (int64_t i = 0; i < pairs; ++i) {
-    const auto* a = reinterpret_cast<const __m512i*>(v + 2 * i * stride);
-    const auto* b = reinterpret_cast<const __m512i*>(v + (2 * i + 1) * stride);
-    for (int cb = 0; cb < D / 32; ++cb) {
-      const __m512i x = _mm512_loadu_si512(a + cb);
-      const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(b + cb) : _mm512_setzero_si512();
-      vp[i * NV + 2 * cb] = _mm512_unpacklo_epi16(x, y);
-      vp[i * NV + 2 * cb + 1] = _mm512_unpackhi_epi16(x, y);
-    }
-  }
-  alignas(64) uint32_t pw[kMaxRows * 8];
-  for (int64_t r = 0; r < rows; ++r)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pw + r * 8),
-                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * kKeys)));
-  for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-    for (int c0 = 0; c0 < NV; c0 += CV) {
-      __m512 a[MR][CV];
-      for (int i = 0; i < MR; ++i) {
-        const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
-        for (int c = 0; c < CV; ++c)
-          a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + (c0 + c) * 16), cr);
-      }
-      for (int64_t t = 0; t < pairs; ++t) {
-        for (int i = 0; i < MR; ++i) {
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[(r0 + i) * 8 + t]);
-          for (int c = 0; c < CV; ++c)
-            a[i][c] = _mm512_dpbf16_ps(a[i][c], w, (__m512bh)vp[t * NV + c0 + c]);
-        }
-      }
-      for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc + (r0 + i) * D + (c0 + c) * 16, a[i][c]);
-    }
-  }
-}
-
-// out[0 .. D) = acc row in add_values_bf16's order, times inv, rounded to bf16.
-template <int D>
-void store_bf16_order(const float* acc, __m512 inv, c10::BFloat16* out) {
-  // Output dim d of 32 from lo lane 4 (d / 8) + d % 8 when d % 8 < 4, else hi lane (+ 16)
-  // 4 (d / 8) + d % 8 - 4.
-  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_idx =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int cb = 0; cb < D / 32; ++cb) {
-    const __m512 lo = _mm512_loadu_ps(acc + cb * 32), hi = _mm512_loadu_ps(acc + cb * 32 + 16);
-    store16(out + cb * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), inv));
-    store16(out + cb * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), inv));
-  }
-}
+#if defined(__AVX512F__)
+// Score tile: kScoreVecs row vectors x kScoreKeys keys of accumulators (24 of 32 registers);
+// value tile: kAccRegs accumulators, at most kMaxCols vectors of a row.
+constexpr int kScoreVecs = 3, kScoreKeys = 8, kAccRegs = 16, kMaxCols = 8;
+#else
+constexpr int kScoreVecs = 3, kScoreKeys = 4, kAccRegs = 8, kMaxCols = 4;  // 16 registers
 #endif
 
-// acc[r] = acc[r] * corr[r] + sum_t p[r][t] v_t over one chunk's n value rows, for `rows` rows
-// (a multiple of the row block). Accumulators stay in registers for a block of rows x columns.
+// dst [kKeys][D] fp32: the chunk's n cached rows widened, zero past them (a stale row past
+// the chunk may hold NaN, and a probability of ~0 times NaN is NaN).
 template <int D, typename T>
-void add_values(const T* v, int64_t stride, int64_t n, const float* p, const float* corr,
-                int64_t rows, float* acc) {
+void widen_rows(const T* src, int64_t stride, int64_t n, float* dst) {
+  for (int64_t t = 0; t < kKeys; ++t)
+    for (int64_t c = 0; c < D; c += N)
+      (t < n ? Vec::load(src + t * stride + c) : Vec::set1(0.0f)).store(dst + t * D + c);
+}
+
+// s[t][r] = k_t . q_r for the kKeys keys and the V row vectors from v0: qt is the tile's
+// queries transposed ([D][rows]), so a key's dimension is one broadcast feeding V FMAs and a
+// key's scores for N rows are one vector.
+template <int D, int V>
+void score_block(const float* qt, int64_t rows, const float* k, int64_t v0, float* s) {
+  for (int64_t t0 = 0; t0 < kKeys; t0 += kScoreKeys) {
+    Vec acc[kScoreKeys][V];
+    for (auto& a : acc)
+      for (auto& x : a) x = Vec::set1(0.0f);
+    for (int d = 0; d < D; ++d) {
+      Vec q[V];
+      for (int v = 0; v < V; ++v) q[v] = Vec::load(qt + d * rows + (v0 + v) * N);
+      for (int i = 0; i < kScoreKeys; ++i) {
+        const Vec kv = Vec::set1(k[(t0 + i) * D + d]);
+        for (int v = 0; v < V; ++v) acc[i][v] = Vec::fmadd(kv, q[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < kScoreKeys; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v].store(s + (t0 + i) * rows + (v0 + v) * N);
+  }
+}
+
+template <int D>
+void scores(const float* qt, int64_t rows, const float* k, float* s) {
+  const int64_t vecs = rows / N;
+  int64_t v0 = 0;
+  for (; v0 + kScoreVecs <= vecs; v0 += kScoreVecs) score_block<D, kScoreVecs>(qt, rows, k, v0, s);
+  if (vecs - v0 == 2) score_block<D, 2>(qt, rows, k, v0, s);
+  if (vecs - v0 == 1) score_block<D, 1>(qt, rows, k, v0, s);
+}
+
+// acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t over the chunk's n value rows (v: [n][D]
+// fp32), for `rows` rows (a multiple of the row block). Accumulators stay in registers for a
+// block of rows x columns.
+template <int D>
+void add_values(const float* v, int64_t n, const float* p, const float* corr, int64_t rows,
+                float* acc) {
   constexpr int NV = D / N;
   constexpr int CV = NV < kMaxCols ? NV : kMaxCols;
   constexpr int MR = kAccRegs / CV;
+  static_assert(N % MR == 0, "row blocks tile a row vector");
   for (int64_t r0 = 0; r0 < rows; r0 += MR) {
     for (int c0 = 0; c0 < NV; c0 += CV) {
       Vec a[MR][CV];
@@ -246,9 +116,9 @@ void add_values(const T* v, int64_t stride, int64_t n, const float* p, const flo
       }
       for (int64_t t = 0; t < n; ++t) {
         Vec vv[CV];
-        for (int c = 0; c < CV; ++c) vv[c] = Vec::load(v + t * stride + (c0 + c) * N);
+        for (int c = 0; c < CV; ++c) vv[c] = Vec::load(v + t * D + (c0 + c) * N);
         for (int i = 0; i < MR; ++i) {
-          const Vec w = Vec::set1(p[(r0 + i) * kKeys + t]);
+          const Vec w = Vec::set1(p[t * rows + r0 + i]);
           for (int c = 0; c < CV; ++c) a[i][c] = Vec::fmadd(w, vv[c], a[i][c]);
         }
       }
@@ -273,114 +143,59 @@ template <int D, typename T>
 void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
                     const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t kvh,
                     float scale) {
-  constexpr int64_t kWords = D * static_cast<int64_t>(sizeof(T)) / 4;  // 32-bit words a row
   const int64_t valid = tile.positions * tile.group;
-  const int64_t rows8 = (valid + 7) / 8 * 8;       // rows the score blocks compute
-  const int64_t rows_n = (valid + N - 1) / N * N;  // rows the vector rescale covers
-  alignas(64) float qf[kDot<T> ? 1 : kMaxRows * D];
-  alignas(64) uint32_t qw[kDot<T> ? kMaxRows * D / 2 : 1];
-  alignas(64) uint32_t words[kWords * kKeys];
-  alignas(64) float kt[kDot<T> ? 1 : D * kKeys];
-  alignas(64) float s[kMaxRows * kKeys], lsum[kMaxRows * N], acc[kMaxRows * D];
-  alignas(64) float m[kMaxRows], row_max[kMaxRows], corr[kMaxRows];
-  int64_t visible[kMaxRows];
-  std::fill(m, m + kMaxRows, kNoMax);
-  std::memset(lsum, 0, rows_n * N * sizeof(float));
-  std::memset(acc, 0, rows8 * D * sizeof(float));
-  for (int64_t r = 0; r < rows8; ++r) {
+  const int64_t rows = (valid + N - 1) / N * N;  // whole row vectors; the pad rows see no key
+  alignas(64) float qt[D * kMaxRows], acc[kMaxRows * D], k[kKeys * D], v[kKeys * D];
+  alignas(64) float s[kKeys * kMaxRows], m[kMaxRows], lsum[kMaxRows], corr[kMaxRows];
+  int64_t row_pos[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    row_pos[r] = r < valid ? tile.first_pos + r / tile.group : -1;
     const T* src = tile.q + (r / tile.group) * tile.q_stride + (r % tile.group) * D;
-    if constexpr (kDot<T>) {
-      if (r < valid)
-        std::memcpy(qw + r * (D / 2), src, D * sizeof(T));
-      else
-        std::memset(qw + r * (D / 2), 0, D * sizeof(T));
-    } else {
-      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = r < valid ? widen(src[d]) : 0.0f;
-    }
+    // The scale goes in once here, not on every score.
+    for (int64_t d = 0; d < D; ++d) qt[d * rows + r] = r < valid ? widen(src[d]) * scale : 0.0f;
   }
+  std::fill(m, m + rows, kNoMax);
+  std::fill(lsum, lsum + rows, 0.0f);
+  std::fill(acc, acc + rows * D, 0.0f);
   const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
   const int64_t last = tile.first_pos + tile.positions - 1;  // the tile's last key
-  const Vec scale_v = Vec::set1(scale);
   for (int64_t c0 = 0; c0 <= last;) {
     const int64_t in = c0 % block_size;
     const int64_t n = std::min({kKeys, block_size - in, last + 1 - c0});
     const int64_t offset = table[c0 / block_size] * block_stride + in * token_stride + kvh * D;
-    // Scores: the chunk's keys transposed, then NC vectors of scores per row.
-    const auto* k_words = reinterpret_cast<const uint32_t*>(k_cache + offset);
-    const int64_t word_stride = token_stride * static_cast<int64_t>(sizeof(T)) / 4;
-    for (int64_t cb = 0; cb < kWords / N; ++cb)
-      for (int h = 0; h < NC; ++h)
-        transpose_words(k_words + h * N * word_stride + cb * N, word_stride,
-                        std::clamp<int64_t>(n - h * N, 0, N), words + cb * N * kKeys + h * N,
-                        kKeys);
-    if constexpr (kDot<T>) {
-#if defined(__AVX512BF16__)
-      scores_bf16<D>(qw, words, rows8, s);
-#endif
-    } else if constexpr (std::is_same_v<T, float>) {
-      scores_fp32<D>(qf, reinterpret_cast<const float*>(words), rows8, s);
-    } else {
-      // bf16 pairs to fp32: element 2j is a word's low half, 2j + 1 its high half.
-      auto* bits = reinterpret_cast<uint32_t*>(kt);
-#pragma omp simd
-      for (int64_t i = 0; i < kWords * kKeys; ++i) {
-        const int64_t j = i / kKeys, t = i % kKeys;
-        bits[(2 * j) * kKeys + t] = words[i] << 16;
-        bits[(2 * j + 1) * kKeys + t] = words[i] & 0xffff0000u;
-      }
-      scores_fp32<D>(qf, kt, rows8, s);
-    }
-    // Online softmax: keys past a row's position (and past the chunk) get probability 0.
-    for (int64_t r = 0; r < rows_n; ++r) {
-      const int64_t pos = tile.first_pos + r / tile.group;
-      const int64_t vis = r < valid ? std::clamp<int64_t>(pos - c0 + 1, 0, n) : 0;
-      visible[r] = vis;
-      float* sr = s + r * kKeys;
-      if (vis == 0) {
-        std::fill(sr, sr + kKeys, 0.0f);
-        row_max[r] = m[r];  // rescale by exp(0) = 1: the row is unchanged
-        continue;
-      }
-      for (int c = 0; c < NC; ++c) (Vec::load(sr + c * N) * scale_v).store(sr + c * N);
-      for (int64_t t = vis; t < kKeys; ++t) sr[t] = -INFINITY;
-      Vec mx = Vec::load(sr);
-      for (int c = 1; c < NC; ++c) mx = Vec::max(mx, Vec::load(sr + c * N));
-      row_max[r] = std::max(m[r], mx.max());
-    }
-    for (int64_t r = 0; r < rows_n; r += N) {
-      const Vec old = Vec::load(m + r), now = Vec::load(row_max + r);
-      (old - now).exp().store(corr + r);
+    widen_rows<D>(k_cache + offset, token_stride, n, k);
+    widen_rows<D>(v_cache + offset, token_stride, n, v);
+    scores<D>(qt, rows, k, s);
+    // Keys past a row's position, past the chunk, and every key of a pad row: -inf. Only
+    // chunks on the tile's diagonal (or short, or with pad rows) have any.
+    if (n < kKeys || c0 + kKeys - 1 > tile.first_pos || valid < rows)
+      for (int64_t t = 0; t < kKeys; ++t)
+        for (int64_t r = 0; r < rows; ++r)
+          if (t >= n || c0 + t > row_pos[r]) s[t * rows + r] = -INFINITY;
+    // Online softmax, N rows a vector: the running max, the rescale of what the rows summed
+    // so far, and this chunk's probabilities (exp clamps -inf to ~1e-38: masked keys add
+    // nothing a float holds beside a row's own max, exp(0) = 1).
+    for (int64_t r = 0; r < rows; r += N) {
+      Vec mx = Vec::load(s + r);
+      for (int64_t t = 1; t < kKeys; ++t) mx = Vec::max(mx, Vec::load(s + t * rows + r));
+      const Vec old = Vec::load(m + r), now = Vec::max(old, mx);
+      const Vec cr = (old - now).exp();
+      cr.store(corr + r);
       now.store(m + r);
+      Vec sum = Vec::load(lsum + r) * cr;
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const Vec p = (Vec::load(s + t * rows + r) - now).exp();
+        p.store(s + t * rows + r);
+        sum = sum + p;
+      }
+      sum.store(lsum + r);
     }
-    for (int64_t r = 0; r < rows_n; ++r) {
-      if (visible[r] == 0) continue;
-      float* sr = s + r * kKeys;
-      const Vec mr = Vec::set1(m[r]);
-      for (int c = 0; c < NC; ++c) (Vec::load(sr + c * N) - mr).exp().store(sr + c * N);
-      for (int64_t t = visible[r]; t < kKeys; ++t) sr[t] = 0.0f;
-      // Row sums stay N partial sums until the end: no horizontal add per chunk.
-      Vec sum = Vec::load(lsum + r * N) * Vec::set1(corr[r]);
-      for (int c = 0; c < NC; ++c) sum = sum + Vec::load(sr + c * N);
-      sum.store(lsum + r * N);
-    }
-    if constexpr (kDot<T>) {
-#if defined(__AVX512BF16__)
-      add_values_bf16<D>(v_cache + offset, token_stride, n, s, corr, rows8, acc);
-#endif
-    } else {
-      add_values<D>(v_cache + offset, token_stride, n, s, corr, rows8, acc);
-    }
+    add_values<D>(v, n, s, corr, rows, acc);
     c0 += n;
   }
   for (int64_t r = 0; r < valid; ++r) {
-    const Vec inv = Vec::set1(1.0f / Vec::load(lsum + r * N).sum());
+    const Vec inv = Vec::set1(1.0f / lsum[r]);
     T* dst = tile.out + (r / tile.group) * tile.out_stride + (r % tile.group) * D;
-    if constexpr (kDot<T>) {
-#if defined(__AVX512BF16__)
-      store_bf16_order<D>(acc + r * D, inv.v, dst);
-#endif
-      continue;
-    }
     for (int64_t c = 0; c < D / N; ++c) (Vec::load(acc + r * D + c * N) * inv).store(dst + c * N);
   }
 }
