@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vec.h"
+
 namespace headrace {
 
 // For every (block of output channels, tile of up to `tile_rows` rows) pair, split into one
@@ -50,7 +52,8 @@ void for_each_tile(int64_t blocks, int64_t rows, int64_t tile_rows, int64_t row_
 
 // A tile's sums ([rows, block_n]) into out [.., n_dim] from (first_row, n0), the channels
 // below n_dim only, as (sum - shift[row]) * scale[channel] + bias[channel], each of the three
-// left out where null.
+// left out where null. A vector of channels at a time: one value at a time it was 7% of the
+// samples of a 512-row gate/up "dot" call (AMX masked); the ragged end one by one.
 template <typename T>
 void store_tile(const float* sums, int64_t block_n, int rows, int64_t first_row, int64_t n0,
                 int64_t n_dim, const float* shift, const float* scale, const float* bias,
@@ -60,7 +63,17 @@ void store_tile(const float* sums, int64_t block_n, int rows, int64_t first_row,
     T* o = out + (first_row + m) * n_dim + n0;
     const float* s = sums + m * block_n;
     const float sh = shift ? shift[first_row + m] : 0.0f;
-    for (int64_t c = 0; c < valid; ++c) {
+    int64_t c = 0;
+#if HEADRACE_VEC
+    const Vec shv = Vec::set1(sh);
+    for (; c + Vec::N <= valid; c += Vec::N) {
+      Vec v = Vec::load(s + c) - shv;
+      if (scale) v = v * Vec::load(scale + n0 + c);
+      if (bias) v = v + Vec::load(bias + n0 + c);
+      v.store(o + c);
+    }
+#endif
+    for (; c < valid; ++c) {
       float v = s[c] - sh;
       if (scale) v *= scale[n0 + c];
       if (bias) v += bias[n0 + c];
