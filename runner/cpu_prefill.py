@@ -8,8 +8,13 @@ wants_vec_prefill(setting, q, kv_cache, meta) -> bool                    per lay
 the paged blocks in place; the reference gathers them and runs SDPA (`is_causal` for prompts
 from position 0, an explicit mask for chunks after cached tokens). Which is faster depends on
 the CPU, the head shape and the dtype, so each attention shape is timed once, both ways, on
-a representative step of each kind (two fresh 256-token prompts; 256 tokens after 512
-cached), best of interleaved rounds, and the choice is logged. The engine's start-up warm-up
+a representative step of each kind, best of interleaved rounds, and the choice is logged. A
+step's chunks differ in length (the scheduler packs several requests), and the reference
+pads every chunk of a group to the longest chunk and context: so the steps timed are mixed
+ones (fresh prompts of 384, 96 and 32 tokens; 256, 64 and 32 tokens after 512, 96 and 1,024
+cached). Timed on one chunk of 256 after 512, the old kernel lost to SDPA (2.05 against 1.67
+ms, AMX-masked Xeon) and served chat prompts through the padded reference, which took 4.43
+ms where that kernel took 2.67 on the mixed step. The engine's start-up warm-up
 prompt makes the first measurement, so a served engine has chosen before its first request.
 """
 
@@ -31,6 +36,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 # Query heads per KV head the kernel's tiles hold (kMaxRows in vec_attention.cpp).
 MAX_GROUP = 64
+# The steps timed, (cached, new) tokens per request: mixed lengths, as the scheduler packs them.
+FRESH_STEP = ([0, 0, 0], [384, 96, 32])
+CONTINUED_STEP = ([512, 96, 1024], [256, 64, 32])
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +100,15 @@ def choose_vec_prefill(
     torch.manual_seed(0)
     try:
         shape_args = (heads, kv_heads, head_dim, dtype, block_size, rounds)
-        fresh = time_prefill_step([0, 0], [256, 256], *shape_args)
-        continued = time_prefill_step([512], [256], *shape_args)
+        fresh = time_prefill_step(*FRESH_STEP, *shape_args)
+        continued = time_prefill_step(*CONTINUED_STEP, *shape_args)
     except RuntimeError as e:  # e.g. a build without AVX2: the op says why
         log.warning("prompt attention (%s): SDPA (vector kernel unusable: %s)", shape, e)
         return PrefillChoice(False, False)
     choice = PrefillChoice(fresh[0] < fresh[1], continued[0] < continued[1])
     log.info(
-        "prompt attention (%s): fresh 2 x 256 kernel %.2f ms vs SDPA %.2f ms -> %s; "
-        "256 after 512 cached kernel %.2f ms vs SDPA %.2f ms -> %s",
+        "prompt attention (%s): fresh 384+96+32 kernel %.2f ms vs SDPA %.2f ms -> %s; "
+        "256+64+32 after 512/96/1024 cached kernel %.2f ms vs SDPA %.2f ms -> %s",
         shape,
         fresh[0] * 1e3,
         fresh[1] * 1e3,
