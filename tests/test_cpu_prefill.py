@@ -60,9 +60,12 @@ def _both(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=96):
 
 
 # (heads, kv_heads, head_dim, block_size): SmolLM2 (9 / 3 x 64), a Llama-1B head (32 / 8 x 64)
-# in 32-token blocks, 128-wide heads with GQA, MHA (one head a group), and MQA (16 heads on one
-# KV head: 4 positions a tile).
-SHAPES = [(9, 3, 64, 16), (32, 8, 64, 32), (8, 2, 128, 16), (4, 4, 128, 16), (16, 1, 64, 16)]
+# in 32-token blocks, 128-wide heads with GQA, MHA (one head a group), MQA (16 heads on one
+# KV head: 4 positions a tile), and SmolLM2 in 8-token blocks (a 32-key chunk spans four).
+SHAPES = [
+    (9, 3, 64, 16), (32, 8, 64, 32), (8, 2, 128, 16), (4, 4, 128, 16), (16, 1, 64, 16),
+    (9, 3, 64, 8),
+]  # fmt: skip
 # Whole prompts of odd lengths, chunks that start mid-block after a cached prefix (and end
 # mid-block), a 2-token chunk, and a decode row beside them.
 REQS = [(0, 40), (50, 37), (3, 1), (0, 17), (129, 64), (31, 2), (16, 5)]

@@ -3,8 +3,8 @@
 //
 // A tile is up to 16 query positions times the g query heads that share one KV head (at most
 // 64 rows), so every cached key and value row is read once per tile. The tile walks the keys
-// up to its last position, kKeys (16) at a time, always inside one block, each chunk's keys
-// and values widened to fp32 once. Rows run along the vector lanes: the queries are
+// up to its last position, kKeys (32) at a time across blocks, each chunk's keys and values
+// widened to fp32 once. Rows run along the vector lanes: the queries are
 // transposed once a tile (and scaled), so a key's scores for N rows are one vector of
 // broadcast-FMAs, and the online softmax (running max, rescale, row sums) is vertical vector
 // work with no per-row reductions. Values accumulate in fp32 rows.
@@ -47,8 +47,14 @@ constexpr float kNoMax = -1e30f;
 
 #if HEADRACE_VEC
 constexpr int64_t N = Vec::N;
-// Keys a chunk covers (at most; a chunk never crosses a block).
-constexpr int64_t kKeys = 16;
+// Keys a chunk covers at most, across blocks: the values' rescale and the softmax's work per
+// row vector come once a chunk. 32 against 16 (within a block, as before): 4 x 512 SmolLM2
+// prompt tokens 4.49-4.58 against 4.63-4.66 ms a layer, a mixed step of four long chunks 34.7
+// against 36.2-37.2 (AMX masked; -DHR_VEC_KEYS=16 builds the other to compare).
+#ifndef HR_VEC_KEYS
+#define HR_VEC_KEYS 32
+#endif
+constexpr int64_t kKeys = HR_VEC_KEYS;
 #if defined(__AVX512F__)
 // Score tile: kScoreVecs row vectors x kScoreKeys keys of accumulators (24 of 32 registers);
 // value tile: kAccRegs accumulators, at most kMaxCols vectors of a row.
@@ -57,21 +63,27 @@ constexpr int kScoreVecs = 3, kScoreKeys = 8, kAccRegs = 16, kMaxCols = 8;
 constexpr int kScoreVecs = 3, kScoreKeys = 4, kAccRegs = 8, kMaxCols = 4;  // 16 registers
 #endif
 
-// dst [kKeys][D] fp32: the chunk's n cached rows widened, zero past them (a stale row past
-// the chunk may hold NaN, and a probability of ~0 times NaN is NaN).
+// dst [keys][D] fp32: the cached rows of positions c0 .. c0 + n widened (found through the
+// block table), zero past them up to a whole score block (their scores are never read, but
+// a stale row may hold NaN).
 template <int D, typename T>
-void widen_rows(const T* src, int64_t stride, int64_t n, float* dst) {
-  for (int64_t t = 0; t < kKeys; ++t)
-    for (int64_t c = 0; c < D; c += N)
-      (t < n ? Vec::load(src + t * stride + c) : Vec::set1(0.0f)).store(dst + t * D + c);
+void widen_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                int64_t token_stride, int64_t c0, int64_t n, int64_t keys, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = c0 + t;
+    const T* src = cache + table[pos / block_size] * block_stride + pos % block_size * token_stride;
+    for (int64_t c = 0; c < D; c += N) Vec::load(src + c).store(dst + t * D + c);
+  }
+  std::fill(dst + n * D, dst + keys * D, 0.0f);
 }
 
-// s[t][r] = k_t . q_r for the kKeys keys and the V row vectors from v0: qt is the tile's
+// s[t][r] = k_t . q_r for `keys` keys and the V row vectors from v0: qt is the tile's
 // queries transposed ([D][rows]), so a key's dimension is one broadcast feeding V FMAs and a
 // key's scores for N rows are one vector.
 template <int D, int V>
-void score_block(const float* qt, int64_t rows, const float* k, int64_t v0, float* s) {
-  for (int64_t t0 = 0; t0 < kKeys; t0 += kScoreKeys) {
+void score_block(const float* qt, int64_t rows, const float* k, int64_t keys, int64_t v0,
+                 float* s) {
+  for (int64_t t0 = 0; t0 < keys; t0 += kScoreKeys) {
     Vec acc[kScoreKeys][V];
     for (auto& a : acc)
       for (auto& x : a) x = Vec::set1(0.0f);
@@ -89,12 +101,13 @@ void score_block(const float* qt, int64_t rows, const float* k, int64_t v0, floa
 }
 
 template <int D>
-void scores(const float* qt, int64_t rows, const float* k, float* s) {
+void scores(const float* qt, int64_t rows, const float* k, int64_t keys, float* s) {
   const int64_t vecs = rows / N;
   int64_t v0 = 0;
-  for (; v0 + kScoreVecs <= vecs; v0 += kScoreVecs) score_block<D, kScoreVecs>(qt, rows, k, v0, s);
-  if (vecs - v0 == 2) score_block<D, 2>(qt, rows, k, v0, s);
-  if (vecs - v0 == 1) score_block<D, 1>(qt, rows, k, v0, s);
+  for (; v0 + kScoreVecs <= vecs; v0 += kScoreVecs)
+    score_block<D, kScoreVecs>(qt, rows, k, keys, v0, s);
+  if (vecs - v0 == 2) score_block<D, 2>(qt, rows, k, keys, v0, s);
+  if (vecs - v0 == 1) score_block<D, 1>(qt, rows, k, keys, v0, s);
 }
 
 // acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t over the chunk's n value rows (v: [n][D]
@@ -160,30 +173,33 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
   const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
   const int64_t last = tile.first_pos + tile.positions - 1;  // the tile's last key
   for (int64_t c0 = 0; c0 <= last;) {
-    const int64_t in = c0 % block_size;
-    const int64_t n = std::min({kKeys, block_size - in, last + 1 - c0});
-    const int64_t offset = table[c0 / block_size] * block_stride + in * token_stride + kvh * D;
-    widen_rows<D>(k_cache + offset, token_stride, n, k);
-    widen_rows<D>(v_cache + offset, token_stride, n, v);
-    scores<D>(qt, rows, k, s);
-    // Keys past a row's position, past the chunk, and every key of a pad row: -inf. Only
-    // chunks on the tile's diagonal (or short, or with pad rows) have any.
-    if (n < kKeys || c0 + kKeys - 1 > tile.first_pos || valid < rows)
-      for (int64_t t = 0; t < kKeys; ++t)
+    const int64_t n = std::min(kKeys, last + 1 - c0);
+    const int64_t keys = (n + kScoreKeys - 1) / kScoreKeys * kScoreKeys;  // scored
+    const auto widen = [&](const T* cache, float* dst) {
+      widen_rows<D>(cache + kvh * D, table, block_size, block_stride, token_stride, c0, n, keys,
+                    dst);
+    };
+    widen(k_cache, k);
+    widen(v_cache, v);
+    scores<D>(qt, rows, k, keys, s);
+    // Keys past a row's position, and every key of a pad row: -inf. Only chunks on the
+    // tile's diagonal (or with pad rows) have any; keys past the chunk are never read.
+    if (c0 + n - 1 > tile.first_pos || valid < rows)
+      for (int64_t t = 0; t < n; ++t)
         for (int64_t r = 0; r < rows; ++r)
-          if (t >= n || c0 + t > row_pos[r]) s[t * rows + r] = -INFINITY;
+          if (c0 + t > row_pos[r]) s[t * rows + r] = -INFINITY;
     // Online softmax, N rows a vector: the running max, the rescale of what the rows summed
     // so far, and this chunk's probabilities (exp clamps -inf to ~1e-38: masked keys add
     // nothing a float holds beside a row's own max, exp(0) = 1).
     for (int64_t r = 0; r < rows; r += N) {
       Vec mx = Vec::load(s + r);
-      for (int64_t t = 1; t < kKeys; ++t) mx = Vec::max(mx, Vec::load(s + t * rows + r));
+      for (int64_t t = 1; t < n; ++t) mx = Vec::max(mx, Vec::load(s + t * rows + r));
       const Vec old = Vec::load(m + r), now = Vec::max(old, mx);
       const Vec cr = (old - now).exp();
       cr.store(corr + r);
       now.store(m + r);
       Vec sum = Vec::load(lsum + r) * cr;
-      for (int64_t t = 0; t < kKeys; ++t) {
+      for (int64_t t = 0; t < n; ++t) {
         const Vec p = (Vec::load(s + t * rows + r) - now).exp();
         p.store(s + t * rows + r);
         sum = sum + p;
