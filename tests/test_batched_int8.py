@@ -127,8 +127,41 @@ def test_bad_calls_are_refused():
         op(torch.zeros(1, 16), c.packed, c.scale, None, 20, "amx")
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         op(torch.zeros(1, 16).half(), c.packed, c.scale, None, 20, "dot")
+    gated = torch.ops.headrace.batched_int8_silu_mul
+    with pytest.raises(RuntimeError, match="halves of whole blocks"):
+        gated(torch.zeros(1, 16), c.packed, c.scale, 20, "dot")
     with pytest.raises(ValueError, match="'amx' is not in this build"):
         BatchedInt8.from_rows(q, scale, "amx")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_calls_match_the_linear_then_silu_and_mul(dtype, monkeypatch):
+    # gate/up's silu(gate) * up in the kernel's way out: the same bits as the two steps, for
+    # a lone row, a ragged row tile, and rows past one panel; K off the 4-input grid.
+    torch.manual_seed(3)
+    block = torch.ops.headrace.batched_int8_block()
+    n, k = 4 * block, 70
+    q, scale = Int8Weight.quantize_rows(torch.randn(n, k))
+    for kernel in kernels():
+        c = BatchedInt8.from_rows(q, scale, kernel)
+        assert c.fuses_silu_mul(8)
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, k).to(dtype)
+            got = torch.ops.headrace.batched_int8_silu_mul(x, c.packed, c.scale, n, kernel)
+            want = torch.ops.headrace.silu_and_mul(c(x, None))
+            assert got.dtype == dtype and got.shape == (rows, n // 2)
+            assert torch.equal(got, want), (kernel, rows)
+    # The layer takes it for a gated call on the batched copy, and gives the same bits.
+    layer = Linear(k, n, bias=False, gated=True)
+    layer.pack("float", batched_int8=kernels()[0])
+    layer.batched_rows = 64
+    fused = []
+    real = BatchedInt8.silu_mul
+    monkeypatch.setattr(BatchedInt8, "silu_mul", lambda self, x: fused.append(1) or real(self, x))
+    x = torch.randn(2, 5, k)
+    got = layer.silu_mul(x)
+    assert fused and got.shape == (2, 5, n // 2)
+    assert torch.equal(got, torch.ops.headrace.silu_and_mul(layer(x).view(10, n)).view(2, 5, -1))
 
 
 def test_linear_takes_small_then_batched_then_its_own_format():

@@ -21,6 +21,9 @@
 //     one contiguous stream, read by one thread.
 //   batched_int8_linear(x [M, K] fp32|bf16, packed, scale [N], bias?, N, kernel)
 //     -> [M, N] x.dtype.
+//   batched_int8_silu_mul(x, packed, scale [N], N, kernel) -> [M, N/2] x.dtype: silu(gate) *
+//     up of a gate/up weight's halves (N a multiple of 2 BN), as the linear then
+//     silu_and_mul give it, bit for bit.
 //   batched_int8_kernels() -> this build's kernels as "name:isa".
 
 #include <ATen/ATen.h>
@@ -418,25 +421,39 @@ void tile_rows(int rows, const typename K::X* x, int64_t x_stride, const float* 
 
 // `xs`: per row, `groups` group scales ("dot"), else null. `row_corr`: per row, the offset's
 // share of every channel's folded sum (sum over groups of correction * scale), else null.
+// `gated` (an MLP's gate/up, n_dim a multiple of 2 * kBlockN, no bias): gate block nb and
+// up block nb + n_dim / (2 * kBlockN) are one unit, whose sums leave as silu(gate) * up into
+// out [rows, n_dim / 2].
 template <class K, typename T>
 void run(const typename K::X* x, const float* xs, const float* row_corr, int64_t groups, int64_t rows,
          int64_t k4n, const int8_t* packed, const float* scale, const float* bias, int64_t n_dim,
-         T* out) {
+         bool gated, T* out) {
   const int64_t blocks = (n_dim + kBlockN - 1) / kBlockN;
+  const int64_t units = gated ? blocks / 2 : blocks;
   const int64_t x_stride = k4n * 4;
-  headrace::for_each_tile(blocks, rows, K::kMB, x_stride * sizeof(typename K::X), [&] {
+  headrace::for_each_tile(units, rows, K::kMB, x_stride * sizeof(typename K::X), [&] {
     return [&](int64_t nb, int64_t m0, int mb, bool) {
-      float sums[K::kMB * kBlockN];
-      const int8_t* block = packed + nb * k4n * kStepBytes;
+      float sums[2][K::kMB * kBlockN];
       const float* rs = xs ? xs + m0 * groups : nullptr;
-      if (kOneRowFits<K> && mb == 1) {
-        if constexpr (kOneRowFits<K>)
-          tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, sums);
-      } else {
-        for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
-          tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, sums);
+      const auto product = [&](int64_t b, float* dst) {
+        const int8_t* block = packed + b * k4n * kStepBytes;
+        if (kOneRowFits<K> && mb == 1) {
+          if constexpr (kOneRowFits<K>)
+            tile_grouped<OneRow<K>, 1>(x + m0 * x_stride, x_stride, rs, k4n, block, 0, dst);
+        } else {
+          for (int64_t g0 = 0; g0 < kGroups; g0 += K::kNG)
+            tile_rows<K, K::kMB>(mb, x + m0 * x_stride, x_stride, rs, k4n, block, g0, dst);
+        }
+      };
+      product(nb, sums[0]);
+      if (!gated) {
+        headrace::store_tile(sums[0], kBlockN, mb, m0, nb * kBlockN, n_dim, row_corr, scale, bias,
+                             out);
+        return;
       }
-      headrace::store_tile(sums, kBlockN, mb, m0, nb * kBlockN, n_dim, row_corr, scale, bias, out);
+      product(nb + units, sums[1]);
+      headrace::store_tile_silu_mul(sums[0], sums[1], kBlockN, mb, m0, nb * kBlockN, n_dim / 2,
+                                    row_corr, scale, out);
     };
   });
 }
@@ -470,7 +487,7 @@ std::vector<std::string> batched_int8_kernels() {
 
 template <class K, typename T>
 void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
-              const float* bias, int64_t n_dim, at::Tensor& out) {
+              const float* bias, int64_t n_dim, bool gated, at::Tensor& out) {
   using X = typename K::X;
   const int64_t rows = x.size(0), width = k4n * 4;
   const std::vector<float> xf = headrace::padded_fp32(x, k4n);
@@ -506,58 +523,76 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
     });
   }
   run<K, T>(xq.data(), xs.empty() ? nullptr : xs.data(), row_corr.empty() ? nullptr : row_corr.data(), groups,
-            rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim,
+            rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim, gated,
             out.data_ptr<T>());
 }
 
 template <class K>
 void dispatch_dtype(const at::Tensor& x, int64_t k4n, const at::Tensor& packed,
-                    const at::Tensor& sc, const float* bias, int64_t n_dim, at::Tensor& out) {
+                    const at::Tensor& sc, const float* bias, int64_t n_dim, bool gated,
+                    at::Tensor& out) {
   if (x.scalar_type() == at::kFloat)
-    dispatch<K, float>(x, k4n, packed, sc, bias, n_dim, out);
+    dispatch<K, float>(x, k4n, packed, sc, bias, n_dim, gated, out);
   else
-    dispatch<K, c10::BFloat16>(x, k4n, packed, sc, bias, n_dim, out);
+    dispatch<K, c10::BFloat16>(x, k4n, packed, sc, bias, n_dim, gated, out);
+}
+
+// Both ops: checks, then the product into `out` ([M, n_dim], or gated [M, n_dim / 2]).
+at::Tensor batched_int8(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                        const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                        int64_t n_dim, const std::string& kernel, bool gated) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": fp32 or bf16 inputs only, got ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kBlockN && packed.size(3) == 4,
+              op, ": packed must come from this build's batched_int8_pack");
+  const int64_t k4n = packed.size(1);
+  TORCH_CHECK((x.size(1) + 3) / 4 == k4n, op, ": x has ", x.size(1),
+              " columns, the weight was packed for ", k4n * 4);
+  TORCH_CHECK(n_dim > 0 && (n_dim + kBlockN - 1) / kBlockN == packed.size(0), op,
+              ": n does not match the packed blocks");
+  TORCH_CHECK(!gated || n_dim % (2 * kBlockN) == 0, op, ": n (", n_dim,
+              ") must be halves of whole blocks of ", kBlockN, " channels");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_dim, op,
+              ": scale must be fp32, one per output channel");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_dim, op, ": one bias per output channel");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor sc = scale.contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({x.size(0), gated ? n_dim / 2 : n_dim}, x.options());
+  if (x.size(0) == 0) return out;
+  if (kernel == "dot") {
+#if HR_DOT
+    dispatch_dtype<Dot>(x, k4n, packed, sc, bp, n_dim, gated, out);
+    return out;
+#endif
+  } else if (kernel == "widen") {
+#if HR_WIDEN
+    dispatch_dtype<Widen>(x, k4n, packed, sc, bp, n_dim, gated, out);
+    return out;
+#endif
+  }
+  TORCH_CHECK(false, op, ": kernel '", kernel, "' is not in this build (see batched_int8_kernels)");
+  return out;
 }
 
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                                int64_t n_dim, const std::string& kernel) {
-  TORCH_CHECK(x.dim() == 2, "batched_int8_linear: x must be [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "batched_int8_linear: fp32 or bf16 inputs only, got ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(2) == kBlockN && packed.size(3) == 4,
-              "batched_int8_linear: packed must come from this build's batched_int8_pack");
-  const int64_t k4n = packed.size(1);
-  TORCH_CHECK((x.size(1) + 3) / 4 == k4n, "batched_int8_linear: x has ", x.size(1),
-              " columns, the weight was packed for ", k4n * 4);
-  TORCH_CHECK(n_dim > 0 && (n_dim + kBlockN - 1) / kBlockN == packed.size(0),
-              "batched_int8_linear: n does not match the packed blocks");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_dim,
-              "batched_int8_linear: scale must be fp32, one per output channel");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n_dim, "batched_int8_linear: one bias per output channel");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  const at::Tensor sc = scale.contiguous();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
-  if (x.size(0) == 0) return out;
-  if (kernel == "dot") {
-#if HR_DOT
-    dispatch_dtype<Dot>(x, k4n, packed, sc, bp, n_dim, out);
-    return out;
-#endif
-  } else if (kernel == "widen") {
-#if HR_WIDEN
-    dispatch_dtype<Widen>(x, k4n, packed, sc, bp, n_dim, out);
-    return out;
-#endif
-  }
-  TORCH_CHECK(false, "batched_int8_linear: kernel '", kernel,
-              "' is not in this build (see batched_int8_kernels)");
-  return out;
+  return batched_int8("batched_int8_linear", x, packed, scale, bias, n_dim, kernel, false);
+}
+
+// silu(gate) * up of a gate/up weight's output halves: the same bits as batched_int8_linear
+// then silu_and_mul, without the [M, n_dim] round trip.
+at::Tensor batched_int8_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                 const at::Tensor& scale, int64_t n_dim,
+                                 const std::string& kernel) {
+  return batched_int8("batched_int8_silu_mul", x, packed, scale, c10::nullopt, n_dim, kernel,
+                      true);
 }
 
 }  // namespace
@@ -569,6 +604,11 @@ at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                int64_t n_dim, const std::string& kernel) {
   return ::batched_int8_linear(x, packed, scale, bias, n_dim, kernel);
 }
+at::Tensor batched_int8_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                 const at::Tensor& scale, int64_t n_dim,
+                                 const std::string& kernel) {
+  return ::batched_int8_silu_mul(x, packed, scale, n_dim, kernel);
+}
 }  // namespace headrace::ops
 
 TORCH_LIBRARY_FRAGMENT(headrace, m) {
@@ -578,9 +618,13 @@ TORCH_LIBRARY_FRAGMENT(headrace, m) {
   m.def(
       "batched_int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n, "
       "str kernel) -> Tensor");
+  m.def(
+      "batched_int8_silu_mul(Tensor x, Tensor packed, Tensor scale, int n, str kernel) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(headrace, CPU, m) {
   m.impl("batched_int8_pack", &batched_int8_pack);
   m.impl("batched_int8_linear", &batched_int8_linear);
+  m.impl("batched_int8_silu_mul", &batched_int8_silu_mul);
 }

@@ -113,6 +113,8 @@ at::Tensor gate_up_silu_mul(const at::Tensor& x, const at::Tensor* w, int64_t ki
                             int64_t layer) {
   if (kind == kAmxBf16 && !w[1].numel() && n % 32 == 0 && x.scalar_type() == at::kBFloat16)
     return amx_bf16_silu_mul(x, w[0], n);
+  if ((kind == kDot || kind == kWiden) && !w[2].numel() && n % (2 * w[0].size(2)) == 0)
+    return batched_int8_silu_mul(x, w[0], w[1], n, kind == kDot ? "dot" : "widen");
   return silu_and_mul(linear(x, w, kind, n, "gate/up", layer));
 }
 

@@ -26,6 +26,9 @@ at::Tensor amx_bf16_silu_mul(const at::Tensor& x, const at::Tensor& tiles, int64
 at::Tensor batched_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                                int64_t n_dim, const std::string& kernel);
+at::Tensor batched_int8_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                 const at::Tensor& scale, int64_t n_dim,
+                                 const std::string& kernel);
 
 // q4_linear.cpp
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

@@ -82,4 +82,31 @@ void store_tile(const float* sums, int64_t block_n, int rows, int64_t first_row,
   }
 }
 
+#if HEADRACE_VEC
+// A gated unit's sums (gate and up blocks, [rows, block_n] each, block_n a multiple of
+// Vec::N) into out [.., half] from (first_row, n0) as silu(gate) * up: gate and up scaled as
+// store_tile scales them (up's scales `half` channels on) and rounded to T, silu's output
+// rounded to T, the product rounded to T: where the linear's output then silu_and_mul
+// (elementwise.cpp) round, so the fused op gives the same bits.
+template <typename T>
+void store_tile_silu_mul(const float* gate, const float* up, int64_t block_n, int rows,
+                         int64_t first_row, int64_t n0, int64_t half, const float* shift,
+                         const float* scale, T* out) {
+  const T* tag = nullptr;
+  const Vec one = Vec::set1(1.0f), zero = Vec::set1(0.0f);
+  for (int m = 0; m < rows; ++m) {
+    T* o = out + (first_row + m) * half + n0;
+    const Vec sh = Vec::set1(shift ? shift[first_row + m] : 0.0f);
+    for (int64_t c = 0; c < block_n; c += Vec::N) {
+      const Vec g = ((Vec::load(gate + m * block_n + c) - sh) * Vec::load(scale + n0 + c))
+                        .rounded(tag);
+      const Vec u =
+          ((Vec::load(up + m * block_n + c) - sh) * Vec::load(scale + half + n0 + c)).rounded(tag);
+      const Vec silu = (g * (one + (zero - g).exp()).rcp()).rounded(tag);
+      (silu * u).store(o + c);
+    }
+  }
+}
+#endif
+
 }  // namespace headrace

@@ -86,6 +86,19 @@ class BatchedInt8:
             return self.kernel
         return Q4_KERNEL if self.q4 is not None and rows > self.exact_rows else Q4_FALLBACK
 
+    def fuses_silu_mul(self, rows: int) -> bool:
+        """Whether batched_int8_silu_mul takes a call of `rows` rows (no bias assumed): the
+        "dot" and "widen" kernels, halves of whole packed blocks."""
+        block = self.packed.shape[2]
+        return self.kernel_for(rows) in ("dot", "widen") and self.out_features % (2 * block) == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, K] -> [M, N/2] in x's dtype: silu(gate) * up of the output's halves, the same
+        bits as this product then silu_and_mul."""
+        return torch.ops.headrace.batched_int8_silu_mul(
+            x, self.packed, self.scale, self.out_features, self.kernel_for(x.shape[0])
+        )
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
         kernel = self.kernel_for(x.shape[0])

@@ -234,7 +234,8 @@ class Linear(nn.Linear):
         # no AMX tiles for prompt rows it never gets.
         self.per_token = per_token
         # True for an MLP's gate/up: its output is [gate, up] halves, read only as
-        # silu(gate) * up (`silu_mul`), which the AMX tiles give in one pass.
+        # silu(gate) * up (`silu_mul`), which the AMX tiles and batched int8 kernels give in one
+        # pass.
         self.gated = gated
         self.format = "float"
         self._onednn: torch.Tensor | None = None
@@ -408,11 +409,19 @@ class Linear(nn.Linear):
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves [..., 2I] -> [..., I] (the CPU ops'
-        silu_and_mul): one pass where the call takes the AMX tiles, else the two steps."""
+        silu_and_mul): one pass where the call takes the AMX tiles or the batched int8 copy,
+        else the two steps."""
         x2 = x.reshape(-1, x.shape[-1])
-        amx = self._amx
-        if amx is not None and amx.fuses_silu_mul and self.kernel_for(x2.shape[0]) == "amx_bf16":
+        amx, batched, kernel = self._amx, self._batched, self.kernel_for(x2.shape[0])
+        if amx is not None and amx.fuses_silu_mul and kernel == "amx_bf16":
             y = amx.silu_mul(x2).to(x.dtype)
+        elif (
+            batched is not None
+            and kernel == "batched"
+            and self.bias is None
+            and batched.fuses_silu_mul(x2.shape[0])
+        ):
+            y = batched.silu_mul(x2)
         else:
             y = torch.ops.headrace.silu_and_mul(self(x2))
         return y.view(*x.shape[:-1], y.shape[-1])
