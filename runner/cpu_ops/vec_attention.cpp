@@ -157,7 +157,7 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
                     const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t kvh,
                     float scale) {
   const int64_t valid = tile.positions * tile.group;
-  const int64_t rows = (valid + N - 1) / N * N;  // whole row vectors; the pad rows see no key
+  const int64_t rows = (valid + N - 1) / N * N;  // whole row vectors; pad rows never stored
   alignas(64) float qt[D * kMaxRows], acc[kMaxRows * D], k[kKeys * D], v[kKeys * D];
   alignas(64) float s[kKeys * kMaxRows], m[kMaxRows], lsum[kMaxRows], corr[kMaxRows];
   int64_t row_pos[kMaxRows];
@@ -175,16 +175,17 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
   for (int64_t c0 = 0; c0 <= last;) {
     const int64_t n = std::min(kKeys, last + 1 - c0);
     const int64_t keys = (n + kScoreKeys - 1) / kScoreKeys * kScoreKeys;  // scored
-    const auto widen = [&](const T* cache, float* dst) {
+    const auto gather = [&](const T* cache, float* dst) {
       widen_rows<D>(cache + kvh * D, table, block_size, block_stride, token_stride, c0, n, keys,
                     dst);
     };
-    widen(k_cache, k);
-    widen(v_cache, v);
+    gather(k_cache, k);
+    gather(v_cache, v);
     scores<D>(qt, rows, k, keys, s);
-    // Keys past a row's position, and every key of a pad row: -inf. Only chunks on the
-    // tile's diagonal (or with pad rows) have any; keys past the chunk are never read.
-    if (c0 + n - 1 > tile.first_pos || valid < rows)
+    // Keys past a row's position: -inf. Only chunks on the tile's diagonal have any; keys
+    // past the chunk are never read. A pad row (zero queries) needs none elsewhere: its
+    // scores are 0, its sums finite, and it is never stored.
+    if (c0 + n - 1 > tile.first_pos)
       for (int64_t t = 0; t < n; ++t)
         for (int64_t r = 0; r < rows; ++r)
           if (c0 + t > row_pos[r]) s[t * rows + r] = -INFINITY;
