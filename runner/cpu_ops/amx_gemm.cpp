@@ -80,10 +80,9 @@ void store_row(const Leaving& b, int64_t r, int64_t n_dim, const float* bias, ui
   const int64_t row = b.m0 + r;
   if constexpr (kSiluMul) {
     const c10::BFloat16* bf16 = nullptr;  // the rounding tag
-    const headrace::Vec one = headrace::Vec::set1(1.0f), zero = headrace::Vec::set1(0.0f);
-    const headrace::Vec g = headrace::Vec::load(sums).rounded(bf16);
-    const headrace::Vec silu = (g * (one + (zero - g).exp()).rcp()).rounded(bf16);
-    const headrace::Vec y = silu * headrace::Vec::load(sums + kTileN * kTileN).rounded(bf16);
+    const headrace::Vec y =
+        headrace::silu_times(headrace::Vec::load(sums).rounded(bf16),
+                             headrace::Vec::load(sums + kTileN * kTileN).rounded(bf16), bf16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * (n_dim / 2) + b.pair * kTileN),
                         headrace::to_bf16(y.v));
   } else {

@@ -98,13 +98,8 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       T* o = op + r * inter;
       int64_t i = 0;
 #if HEADRACE_VEC
-      const Vec one = Vec::set1(1.0f), zero = Vec::set1(0.0f);
-      for (; i + Vec::N <= inter; i += Vec::N) {
-        const Vec gv = Vec::load(g + i);
-        // silu(gate) is rounded to the dtype before the product, as F.silu's output is.
-        const Vec silu = (gv * (one + (zero - gv).exp()).rcp()).rounded(g);
-        (silu * Vec::load(u + i)).store(o + i);
-      }
+      for (; i + Vec::N <= inter; i += Vec::N)
+        silu_times(Vec::load(g + i), Vec::load(u + i), g).store(o + i);
 #endif
       for (; i < inter; ++i) {
         const float gv = widen(g[i]);

@@ -93,7 +93,6 @@ void store_tile_silu_mul(const float* gate, const float* up, int64_t block_n, in
                          int64_t first_row, int64_t n0, int64_t half, const float* shift,
                          const float* scale, T* out) {
   const T* tag = nullptr;
-  const Vec one = Vec::set1(1.0f), zero = Vec::set1(0.0f);
   for (int m = 0; m < rows; ++m) {
     T* o = out + (first_row + m) * half + n0;
     const Vec sh = Vec::set1(shift ? shift[first_row + m] : 0.0f);
@@ -102,8 +101,7 @@ void store_tile_silu_mul(const float* gate, const float* up, int64_t block_n, in
                         .rounded(tag);
       const Vec u =
           ((Vec::load(up + m * block_n + c) - sh) * Vec::load(scale + half + n0 + c)).rounded(tag);
-      const Vec silu = (g * (one + (zero - g).exp()).rcp()).rounded(tag);
-      (silu * u).store(o + c);
+      silu_times(g, u, tag).store(o + c);
     }
   }
 }

@@ -206,4 +206,15 @@ struct Vec {
 #define HEADRACE_VEC 0
 #endif
 
+#if HEADRACE_VEC
+// silu(gate) * up of values of T (`tag`): silu's output is rounded to T before the product,
+// as F.silu's output is. The one formula of silu_and_mul and of the fused gate/up ops
+// (amx_gemm.cpp, tile_driver.h), which promise its bits.
+template <typename T>
+inline Vec silu_times(Vec gate, Vec up, const T* tag) {
+  const Vec one = Vec::set1(1.0f), zero = Vec::set1(0.0f);
+  return (gate * (one + (zero - gate).exp()).rcp()).rounded(tag) * up;
+}
+#endif
+
 }  // namespace headrace
