@@ -33,7 +33,8 @@ from daemon.engine.loaded_model import LoadedModel
 from runner import attention
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import BatchedInt8, batched_kernels
-from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8
+from runner.layers.linear import Linear
+from runner.layers.weight_formats import Int8Weight, SmallBatchInt8
 from runner.models.decoder import RMSNorm
 from runner.models.rope import RopeAt
 

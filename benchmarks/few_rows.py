@@ -25,7 +25,8 @@ from machine import cpu_description
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
-from runner.layers.linear import Linear, SmallBatchInt8
+from runner.layers.linear import Linear
+from runner.layers.weight_formats import SmallBatchInt8
 from runner.models.fused_decode import FusedDecode
 from scheduling import SamplingParams
 

@@ -150,8 +150,9 @@ def main() -> None:
 
     from runner.format_timing import best_of_interleaved
     from runner.layers.batched_int8 import BatchedInt8, batched_kernels
-    from runner.layers.linear import Int8Weight, Linear, onednn_f32_available
+    from runner.layers.linear import Linear
     from runner.layers.q4_blocks import Q4Blocks, dequantize_blocks, quantize_blocks
+    from runner.layers.weight_formats import Int8Weight, onednn_f32_available
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)

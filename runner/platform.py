@@ -45,15 +45,13 @@ from runner.format_timing import (
     measure_small_rows,
     onednn_f32_beats_float,
 )
-from runner.layers.linear import (
-    Linear,
-    LinearShape,
+from runner.layers.linear import Linear, LinearShape, pack_linears
+from runner.layers.q8_embedding import compress_embedding
+from runner.layers.weight_formats import (
     default_int8_kernel,
     onednn_bf16_available,
     onednn_f32_available,
-    pack_linears,
 )
-from runner.layers.q8_embedding import compress_embedding
 
 log = logging.getLogger("headrace.platform")
 

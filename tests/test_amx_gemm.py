@@ -15,7 +15,8 @@ from test_linear_formats import AMX, CPU, ZEN3
 
 from runner.cpu_ops import load_cpu_ops
 from runner.format_timing import AMX_GEMM_ROWS, amx_gemm_rows
-from runner.layers.linear import AmxBf16Weight, Linear, LinearShape, onednn_bf16_available
+from runner.layers.linear import Linear, LinearShape
+from runner.layers.weight_formats import AmxBf16Weight, onednn_bf16_available
 from runner.models.fused_decode import AMX_BF16
 from runner.platform import select_platform
 

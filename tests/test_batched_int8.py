@@ -21,8 +21,9 @@ from act_rounding import round_groups
 from runner.batched_rows import choose, measure_batched_rows
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import BatchedInt8, batched_kernels
-from runner.layers.linear import Int8Weight, Linear, SmallBatchInt8, pack_linears
+from runner.layers.linear import Linear, pack_linears
 from runner.layers.q4_blocks import Q4_KERNEL
+from runner.layers.weight_formats import Int8Weight, SmallBatchInt8
 from runner.models.fused_decode import DOT, WIDEN, FusedDecode
 from runner.platform import read_cpu_flags
 from scheduling import SamplingParams

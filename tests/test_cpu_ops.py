@@ -220,7 +220,7 @@ def test_a_failed_build_falls_back_to_the_reference(monkeypatch, tmp_path, caplo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k_dim", [576, 40, 23], ids=["k576", "k40", "k23"])
 def test_int8_weight_linear_matches_the_dequantised_matmul(dtype, k_dim):
-    from runner.layers.linear import Int8Weight
+    from runner.layers.weight_formats import Int8Weight
 
     torch.manual_seed(k_dim)
     w = torch.randn(70, k_dim) * 0.05
@@ -256,7 +256,7 @@ def test_amx_pack_int8_lays_out_pair_interleaved_tiles():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_amx_int8_linear_matches_the_dequantised_matmul_or_says_why_not(dtype):
-    from runner.layers.linear import Int8Weight
+    from runner.layers.weight_formats import Int8Weight
 
     op = torch.ops.headrace.amx_int8_linear
     torch.manual_seed(1)
@@ -293,7 +293,8 @@ def test_amx_int8_linear_matches_the_dequantised_matmul_or_says_why_not(dtype):
 
 @pytest.mark.parametrize("layout", ["rows", "amx"])
 def test_linear_uses_its_int8_copy_only_up_to_small_rows(layout):
-    from runner.layers.linear import Linear, SmallBatchInt8
+    from runner.layers.linear import Linear
+    from runner.layers.weight_formats import SmallBatchInt8
 
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True)

@@ -9,12 +9,7 @@ import torch
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import batched_kernels
-from runner.layers.linear import (
-    Linear,
-    onednn_bf16_available,
-    onednn_f32_available,
-    pack_linears,
-)
+from runner.layers.linear import Linear, pack_linears
 from runner.layers.q4_blocks import (
     CHANNELS,
     Q4_KERNEL,
@@ -22,6 +17,7 @@ from runner.layers.q4_blocks import (
     q4_kernels,
     quantize_blocks,
 )
+from runner.layers.weight_formats import onednn_bf16_available, onednn_f32_available
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
 from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, Q4, ROWS, WIDEN

@@ -14,15 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from runner.layers.linear import (
+from runner.layers.linear import Linear, LinearShape, linear_shapes, pack_linears
+from runner.layers.weight_formats import (
     INT8_KERNELS,
-    Linear,
-    LinearShape,
     fbgemm_available,
-    linear_shapes,
     onednn_bf16_available,
     onednn_f32_available,
-    pack_linears,
 )
 from runner.loaders.gguf_loader import GGUFModel
 from runner.model_source import resolve_model
@@ -316,7 +313,8 @@ def test_int8_is_timed_against_the_float_format_with_the_copies_it_would_keep(mo
     import runner.platform as platform
     from runner.cpu_ops import load_cpu_ops
     from runner.layers.batched_int8 import BatchedInt8, batched_kernels
-    from runner.layers.linear import LinearShape, SmallBatchInt8
+    from runner.layers.linear import LinearShape
+    from runner.layers.weight_formats import SmallBatchInt8
 
     if load_cpu_ops() is not None or "dot" not in batched_kernels():
         pytest.skip("needs the CPU kernels with the batched dot kernel")

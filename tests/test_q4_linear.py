@@ -16,7 +16,7 @@ from act_rounding import round_groups
 from runner.batched_rows import measure_batched_rows
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import FEW_ROW_ISAS, Q4_FALLBACK, BatchedInt8, batched_kernels
-from runner.layers.linear import Int8Weight, Linear, pack_linears
+from runner.layers.linear import Linear, pack_linears
 from runner.layers.q4_blocks import (
     Q4_KERNEL,
     Q4Blocks,
@@ -24,6 +24,7 @@ from runner.layers.q4_blocks import (
     q4_kernels,
     quantize_blocks,
 )
+from runner.layers.weight_formats import Int8Weight
 from runner.models.fused_decode import Q4
 from scheduling import SamplingParams
 

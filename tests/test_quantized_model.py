@@ -15,7 +15,8 @@ import torch
 from model_fixtures import engine_for
 
 from daemon.engine.loaded_model import LoadedModel
-from runner.layers.linear import Linear, onednn_bf16_available, pack_linears
+from runner.layers.linear import Linear, pack_linears
+from runner.layers.weight_formats import onednn_bf16_available
 from runner.platform import select_platform
 from scheduling import SamplingParams
 
