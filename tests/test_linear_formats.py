@@ -159,6 +159,16 @@ def test_tied_lm_head_quantised_embedding_exact():
 # -- the platform's choice ------------------------------------------------------------
 
 
+@pytest.fixture
+def no_batched_copy(monkeypatch):
+    """The float format keeps no batched int8 copy (as in a build without the batched
+    kernels), so quantization auto times int8 against it."""
+    import runner.platform as platform
+
+    copies = platform._float_copies
+    monkeypatch.setattr(platform, "_float_copies", lambda *a: (copies(*a)[0], None))
+
+
 def test_dtype_auto_follows_the_cpu_flags():
     amx = select_platform(CPU, "auto", "none", features=AMX)
     assert amx.dtype == torch.bfloat16
@@ -173,7 +183,7 @@ def test_dtype_auto_follows_the_cpu_flags():
 
 
 @pytest.mark.skipif(not onednn_f32_available(), reason="this torch build has no oneDNN")
-def test_fp32_linears_take_onednn_where_it_timed_faster():
+def test_fp32_linears_take_onednn_where_it_timed_faster(no_batched_copy):
     asked = []
 
     def timed(answer: bool):
@@ -219,7 +229,7 @@ def test_the_fp32_gemm_timing_runs_both_paths_on_the_models_shapes(caplog):
 
 
 @pytest.mark.parametrize("features", [AMX, ZEN3], ids=["amx", "zen3"])
-def test_quantization_auto_needs_a_quantised_file_and_a_win(features):
+def test_quantization_auto_needs_a_quantised_file_and_a_win(features, no_batched_copy):
     def faster(answer: bool):
         return lambda dtype, fmt: answer
 
@@ -337,12 +347,20 @@ def test_int8_is_timed_against_the_float_format_with_the_copies_it_would_keep(mo
     # One row on the GEMV copy, 32 on the batched copy, as a decode step would run them.
     assert {("SmallBatchInt8", 1), ("BatchedInt8", 32)} <= set(used), set(used)
 
-    # select_platform hands the measurement the copies the float format would keep here.
+    # Where the float format keeps both copies, select_platform does not time int8 at all:
+    # the timing would miss the fused decode step those copies serve.
     seen = []
-    monkeypatch.setattr(platform, "int8_beats_float", lambda *a: seen.append(a[4:]) or False)
+    monkeypatch.setattr(platform, "int8_beats_float", lambda *a: seen.append(a[4:]) or True)
     feats = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, vnni=True)
     chosen = select_platform(
         torch.device("cpu"), "float32", "auto", True, features=feats, onednn_f32_faster=lambda: True
     )
-    assert seen == [("rows", "dot")]
+    assert seen == []
+    assert chosen.weight_format == "onednn_f32" and "int8 copies" in chosen.describe()
     assert chosen.small_batch_int8 == "rows" and chosen.batched_int8 == "dot"
+    # With one copy only (the AMX layout, no batched kernel) int8 is still timed, and the
+    # measurement gets that copy.
+    monkeypatch.setattr(platform, "_float_copies", lambda *a: ("amx", None))
+    timed = select_platform(torch.device("cpu"), "float32", "auto", True, features=feats,
+                            onednn_f32_faster=lambda: True)  # fmt: skip
+    assert seen == [("amx", None)] and timed.weight_format == "int8"
