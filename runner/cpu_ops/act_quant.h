@@ -2,13 +2,9 @@
 // that multiply integers (batched_int8.cpp "dot", q4_linear.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -17,23 +13,6 @@ namespace headrace {
 
 // One scale per 32 inputs, as llama.cpp's activation blocks (and GGUF's weight blocks).
 constexpr int64_t kGroupWidth = 32;
-
-// x as fp32, padded with zeros to k4n * 4 columns.
-inline std::vector<float> padded_fp32(const at::Tensor& x, int64_t k4n) {
-  const int64_t rows = x.size(0), k_dim = x.size(1);
-  std::vector<float> xf(rows * k4n * 4, 0.0f);
-  const at::Tensor xc = x.contiguous();
-  for (int64_t m = 0; m < rows; ++m) {
-    float* row = xf.data() + m * k4n * 4;
-    if (x.scalar_type() == at::kFloat) {
-      std::memcpy(row, xc.data_ptr<float>() + m * k_dim, k_dim * sizeof(float));
-    } else {
-      const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>() + m * k_dim;
-      for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xb[k]);
-    }
-  }
-  return xf;
-}
 
 // Symmetric per group of 32 inputs: q = round(x * kQMax / amax) (kQMax 127 for int8, 32767
 // for int16), rounded as the torch reference rounds (nearest even); `sum` (where not null) is

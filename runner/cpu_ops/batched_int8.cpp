@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -489,41 +490,50 @@ template <class K, typename T>
 void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const at::Tensor& sc,
               const float* bias, int64_t n_dim, bool gated, at::Tensor& out) {
   using X = typename K::X;
-  const int64_t rows = x.size(0), width = k4n * 4;
-  const std::vector<float> xf = headrace::padded_fp32(x, k4n);
-  std::vector<X> xq(rows * width);
-  if constexpr (std::is_same_v<X, float>) {
-    std::memcpy(xq.data(), xf.data(), xf.size() * sizeof(float));
-  } else if constexpr (std::is_same_v<X, uint16_t>) {
-    for (size_t i = 0; i < xf.size(); ++i) xq[i] = c10::BFloat16(xf[i]).x;
-  }
+  const int64_t rows = x.size(0), k_dim = x.size(1), width = k4n * 4;
+  const at::Tensor xc = x.contiguous();
+  const T* src = xc.data_ptr<T>();
+  // Every element is written below (rows padded with zeros to width), so not zeroed first.
+  const std::unique_ptr<X[]> xq(new X[rows * width]);
   std::vector<float> xs;
-  std::vector<int32_t> xc;
+  std::vector<int32_t> xc_sums;
   std::vector<float> row_corr;
   const int64_t groups = (k4n + kScaleSteps - 1) / kScaleSteps;
   if constexpr (kGrouped<K>) {
     xs.resize(rows * groups);
-    if (K::kOffset) xc.resize(rows * groups), row_corr.resize(rows);
-    // Rows are independent: quantised in vectors, on both threads (the serial scalar loop
-    // made dot calls ~15% slower at 32-128 rows, Zen 5).
-    const int64_t grain = std::max<int64_t>(1, 16384 / width);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        headrace::quantise_row<X, K::kQMax>(xf.data() + m * width, width, groups, xq.data() + m * width,
-                                  xs.data() + m * groups, K::kOffset ? xc.data() + m * groups : nullptr);
-      // The offset's share of every channel's sum (128 * each group's sum of integers, by
-      // its scale), one scalar per row: subtracted once in the epilogue rather than from
-      // each group's integers in the inner loop.
-      if (K::kOffset)
-        for (int64_t m = begin; m < end; ++m) {
+    if (K::kOffset) xc_sums.resize(rows * groups), row_corr.resize(rows);
+  }
+  // Rows are independent: widened, padded and quantised (or copied) on both threads, straight
+  // from x. A serial padded fp32 copy of x first, zeroed then filled, was 7% of a 512-row
+  // 576 x 576 "dot" call's samples, with the other thread spinning through it (AMX masked).
+  const int64_t grain = std::max<int64_t>(1, 16384 / width);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width, 0.0f);  // columns past k_dim stay zero
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xm = src + m * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xm[k]);
+      X* q = xq.get() + m * width;
+      if constexpr (kGrouped<K>) {
+        headrace::quantise_row<X, K::kQMax>(row.data(), width, groups, q, xs.data() + m * groups,
+                                            K::kOffset ? xc_sums.data() + m * groups : nullptr);
+        // The offset's share of every channel's sum (128 * each group's sum of integers, by
+        // its scale), one scalar per row: subtracted once in the epilogue rather than from
+        // each group's integers in the inner loop.
+        if (K::kOffset) {
           float c = 0.0f;
-          for (int64_t j = 0; j < groups; ++j) c += xc[m * groups + j] * xs[m * groups + j];
+          for (int64_t j = 0; j < groups; ++j) c += xc_sums[m * groups + j] * xs[m * groups + j];
           row_corr[m] = 128.0f * c;
         }
-    });
-  }
-  run<K, T>(xq.data(), xs.empty() ? nullptr : xs.data(), row_corr.empty() ? nullptr : row_corr.data(), groups,
-            rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim, gated,
+      } else if constexpr (std::is_same_v<X, float>) {
+        std::memcpy(q, row.data(), width * sizeof(float));
+      } else {
+        static_assert(std::is_same_v<X, uint16_t>, "widen takes fp32 or bf16 bits");
+        for (int64_t k = 0; k < width; ++k) q[k] = c10::BFloat16(row[k]).x;
+      }
+    }
+  });
+  run<K, T>(xq.get(), xs.empty() ? nullptr : xs.data(), row_corr.empty() ? nullptr : row_corr.data(),
+            groups, rows, k4n, packed.data_ptr<int8_t>(), sc.data_ptr<float>(), bias, n_dim, gated,
             out.data_ptr<T>());
 }
 
