@@ -508,12 +508,14 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
   // 576 x 576 "dot" call's samples, with the other thread spinning through it (AMX masked).
   const int64_t grain = std::max<int64_t>(1, 16384 / width);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(width, 0.0f);  // columns past k_dim stay zero
+    // "dot" quantises from an fp32 row (columns past k_dim stay zero); "widen" writes its
+    // fp32 or bf16 inputs straight into xq.
+    std::vector<float> row(kGrouped<K> ? width : 0, 0.0f);
     for (int64_t m = begin; m < end; ++m) {
       const T* xm = src + m * k_dim;
-      for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xm[k]);
       X* q = xq.get() + m * width;
       if constexpr (kGrouped<K>) {
+        for (int64_t k = 0; k < k_dim; ++k) row[k] = static_cast<float>(xm[k]);
         headrace::quantise_row<X, K::kQMax>(row.data(), width, groups, q, xs.data() + m * groups,
                                             K::kOffset ? xc_sums.data() + m * groups : nullptr);
         // The offset's share of every channel's sum (128 * each group's sum of integers, by
@@ -524,11 +526,17 @@ void dispatch(const at::Tensor& x, int64_t k4n, const at::Tensor& packed, const 
           for (int64_t j = 0; j < groups; ++j) c += xc_sums[m * groups + j] * xs[m * groups + j];
           row_corr[m] = 128.0f * c;
         }
-      } else if constexpr (std::is_same_v<X, float>) {
-        std::memcpy(q, row.data(), width * sizeof(float));
       } else {
-        static_assert(std::is_same_v<X, uint16_t>, "widen takes fp32 or bf16 bits");
-        for (int64_t k = 0; k < width; ++k) q[k] = c10::BFloat16(row[k]).x;
+        static_assert(std::is_same_v<X, float> || std::is_same_v<X, uint16_t>,
+                      "widen takes fp32 or bf16 bits");
+        for (int64_t k = 0; k < k_dim; ++k) {
+          const float v = static_cast<float>(xm[k]);
+          if constexpr (std::is_same_v<X, float>)
+            q[k] = v;
+          else
+            q[k] = c10::BFloat16(v).x;
+        }
+        std::fill(q + k_dim, q + width, X{0});
       }
     }
   });
