@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefill_args.h"
 #include "vec.h"
 
 namespace {
@@ -283,41 +284,18 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
                               const at::Tensor& q_starts, const at::Tensor& q_lens,
                               double scale) {
   TORCH_CHECK(headrace::amx_usable(), "paged_prefill_attention_: no usable AMX here");
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && out.sizes() == q.sizes(),
-              "q and out [T, H, D], kv_cache [2, N, S, KVH, D]");
+  const headrace::PrefillArgs args =
+      headrace::check_prefill_args(out, q, kv_cache, block_tables, seq_lens, q_starts, q_lens);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
               "paged_prefill_attention_: bf16 only");
-  // q may be a view into the fused QKV output: rows apart, heads and dims contiguous.
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
-                  kv_cache.is_contiguous(),
-              "q with contiguous heads, out and kv_cache contiguous");
-  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == dim && heads % kv_heads == 0, "head shapes do not match");
+  const int64_t heads = args.heads, dim = args.dim, kv_heads = args.kv_heads;
+  const int64_t block_size = args.block_size, batch = args.batch, max_blocks = args.max_blocks;
   TORCH_CHECK(dim % 32 == 0 && dim <= 256, "paged_prefill_attention_: head dim 32k <= 256");
-  for (const auto* t : {&block_tables, &seq_lens, &q_starts, &q_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "tables, lengths and starts: contiguous int64");
-  const int64_t batch = seq_lens.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(block_tables.size(0) == batch && q_starts.size(0) == batch &&
-                  q_lens.size(0) == batch,
-              "one table, length, start and query count per request");
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* starts = q_starts.data_ptr<int64_t>();
-  const int64_t* counts = q_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  // Checked once here, so the kernel never reads or writes outside its tensors.
+  const int64_t *lens = args.lens, *starts = args.starts, *counts = args.counts;
+  const int64_t* tables = args.tables;
   std::vector<int64_t> pack_offset(batch + 1, 0), tile_offset(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(counts[b] >= 1 && counts[b] <= lens[b] && lens[b] <= max_blocks * block_size,
-                "query count or seq_len out of range");
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + counts[b] <= tokens, "query rows out of range");
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      const int64_t block = tables[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range of the cache");
-    }
     const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
     pack_offset[b + 1] = pack_offset[b] + chunks * kChunk * dim * kv_heads;
     tile_offset[b + 1] = tile_offset[b] + (counts[b] + kRows - 1) / kRows * kv_heads;

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "prefill_args.h"
 #include "vec.h"
 
 namespace {
@@ -265,52 +266,23 @@ void paged_prefill_attention_vec_(at::Tensor& out, const at::Tensor& q,
                                   const at::Tensor& seq_lens, const at::Tensor& q_starts,
                                   const at::Tensor& q_lens, double scale) {
   TORCH_CHECK(HEADRACE_VEC, "paged_prefill_attention_vec_: this build has no AVX-512 or AVX2");
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && out.sizes() == q.sizes(),
-              "q and out [T, H, D], kv_cache [2, N, S, KVH, D]");
+  const PrefillArgs a =
+      check_prefill_args(out, q, kv_cache, block_tables, seq_lens, q_starts, q_lens);
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
                   kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
               "paged_prefill_attention_vec_: q, out and kv_cache all fp32 or all bf16");
-  // q may be a view into the fused QKV output: rows apart, heads and dims contiguous.
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
-                  kv_cache.is_contiguous(),
-              "q with contiguous heads, out and kv_cache contiguous");
-  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == dim && heads % kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill_attention_vec_: head dim 64 or 128");
-  TORCH_CHECK(heads / kv_heads <= kMaxRows, "paged_prefill_attention_vec_: at most ", kMaxRows,
-              " query heads per KV head");
-  for (const auto* t : {&block_tables, &seq_lens, &q_starts, &q_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "tables, lengths and starts: contiguous int64");
-  const int64_t batch = seq_lens.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(block_tables.size(0) == batch && q_starts.size(0) == batch &&
-                  q_lens.size(0) == batch,
-              "one table, length, start and query count per request");
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* starts = q_starts.data_ptr<int64_t>();
-  const int64_t* counts = q_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  // Checked once here, so the kernel never reads or writes outside its tensors.
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(counts[b] >= 1 && counts[b] <= lens[b] && lens[b] <= max_blocks * block_size,
-                "query count or seq_len out of range");
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + counts[b] <= tokens, "query rows out of range");
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      const int64_t block = tables[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range of the cache");
-    }
-  }
+  TORCH_CHECK(a.dim == 64 || a.dim == 128, "paged_prefill_attention_vec_: head dim 64 or 128");
+  TORCH_CHECK(a.heads / a.kv_heads <= kMaxRows, "paged_prefill_attention_vec_: at most ",
+              kMaxRows, " query heads per KV head");
   const float s = static_cast<float>(scale);
   const auto go = [&](auto kernel) {
-    kernel(out, q, kv_cache, tables, max_blocks, lens, starts, counts, batch, s);
+    kernel(out, q, kv_cache, a.tables, a.max_blocks, a.lens, a.starts, a.counts, a.batch, s);
   };
   if (dtype == at::kFloat)
-    go(dim == 64 ? run<64, float> : run<128, float>);
+    go(a.dim == 64 ? run<64, float> : run<128, float>);
   else
-    go(dim == 64 ? run<64, c10::BFloat16> : run<128, c10::BFloat16>);
+    go(a.dim == 64 ? run<64, c10::BFloat16> : run<128, c10::BFloat16>);
 }
 
 }  // namespace
