@@ -1,0 +1,90 @@
+"""What bounds decode attention here: its read rate cold and hot, on one thread and on all.
+
+    python benchmarks/decode_attention.py [--batch 32] [--keys 176 1024] [--dtype bfloat16]
+
+A decode step of `batch` requests with `keys` cached keys each calls the kernel once per
+layer over that layer's own cache (SmolLM2's shape: 9 query heads, 3 KV heads of 64, 30
+layers, blocks of 16 scattered through the cache). "cold" walks the 30 layers' caches as a
+step does, so the KV comes from memory; "hot" calls one layer's cache 30 times, so it comes
+from cache and the kernel's arithmetic shows. Printed against the machine's read bandwidth
+(a sum over 512 MB): a cold rate that doubles with the threads while staying under the
+bandwidth is bound by each core's misses in flight, not by the arithmetic or the memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from machine import cpu_description
+
+from runner.cpu_ops import load_cpu_ops
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def read_bandwidth() -> float:
+    """Bytes a second all threads read: the best of a few sums over 512 MB."""
+    buf = torch.ones(128 << 20)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def step_seconds(batch: int, keys: int, dtype: torch.dtype, hot: bool, steps: int) -> float:
+    """Median seconds of one step's 30 calls."""
+    per = -(-keys // BLOCK)
+    caches = [torch.randn(2, batch * per + 8, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+              for _ in range(1 if hot else LAYERS)]  # fmt: skip
+    tables = torch.randperm(batch * per + 8)[: batch * per].view(batch, per).contiguous()
+    lens = torch.full((batch,), keys, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    attend = torch.ops.headrace.paged_decode_attention
+    times = []
+    for _ in range(steps + 2):  # the first two page the caches in
+        t = time.perf_counter()
+        for layer in range(LAYERS):
+            attend(q, caches[0 if hot else layer], tables, lens, HEAD_DIM**-0.5)
+        times.append(time.perf_counter() - t)
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--keys", type=int, nargs="+", default=[176, 1024])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    print(cpu_description())
+    reason = load_cpu_ops()
+    assert reason is None, f"no CPU kernels: {reason}"
+    dtype = getattr(torch, args.dtype)
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({threads} threads)")
+    figures = []
+    for keys in args.keys:
+        read = args.batch * keys * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS
+        rates = {}
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            for hot in (False, True):
+                s = step_seconds(args.batch, keys, dtype, hot, args.steps)
+                rates[(n, hot)] = read / s
+                print(f"{args.batch} x {keys} keys, {n} thread(s), {'hot' if hot else 'cold'}: "
+                      f"{s * 1e3:.2f} ms a step, {read / s / 1e9:.1f} GB/s")  # fmt: skip
+        torch.set_num_threads(threads)
+        cold, cold1 = rates[(threads, False)], rates[(1, False)]
+        figures.append(f"k{keys}_cold_vs_bandwidth={cold / bandwidth:.3f} "
+                       f"k{keys}_cold_threads_scaling={cold / cold1:.2f} "
+                       f"k{keys}_hot_vs_cold={rates[(threads, True)] / cold:.2f}")  # fmt: skip
+    print(f"RESULT {' '.join(figures)} threads={threads} read_gb_s={bandwidth / 1e9:.1f}")
+
+
+if __name__ == "__main__":
+    main()
