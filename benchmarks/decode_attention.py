@@ -1,6 +1,7 @@
 """What bounds decode attention here: its read rate cold and hot, on one thread and on all.
 
     python benchmarks/decode_attention.py [--batch 32] [--keys 176 1024] [--dtype bfloat16]
+    python benchmarks/decode_attention.py --contexts 3000 40 40 2000 40 1200 40 40
 
 A decode step of `batch` requests with `keys` cached keys each calls the kernel once per
 layer over that layer's own cache (SmolLM2's shape: 9 query heads, 3 KV heads of 64, 30
@@ -9,6 +10,10 @@ step does, so the KV comes from memory; "hot" calls one layer's cache 30 times, 
 from cache and the kernel's arithmetic shows. Printed against the machine's read bandwidth
 (a sum over 512 MB): a cold rate that doubles with the threads while staying under the
 bandwidth is bound by each core's misses in flight, not by the arithmetic or the memory.
+
+`--contexts` times one batch of requests with those context lengths instead (cold, all
+threads): chat's mix of long and short contexts, where the threads' shares of the keys, not
+of the work items, decide when the step ends.
 """
 
 from __future__ import annotations
@@ -35,13 +40,13 @@ def read_bandwidth() -> float:
     return best
 
 
-def step_seconds(batch: int, keys: int, dtype: torch.dtype, hot: bool, steps: int) -> float:
-    """Median seconds of one step's 30 calls."""
-    per = -(-keys // BLOCK)
+def step_seconds(contexts: list[int], dtype: torch.dtype, hot: bool, steps: int) -> float:
+    """Median seconds of one step's 30 calls over requests of these context lengths."""
+    batch, per = len(contexts), -(-max(contexts) // BLOCK)
     caches = [torch.randn(2, batch * per + 8, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
               for _ in range(1 if hot else LAYERS)]  # fmt: skip
     tables = torch.randperm(batch * per + 8)[: batch * per].view(batch, per).contiguous()
-    lens = torch.full((batch,), keys, dtype=torch.int64)
+    lens = torch.tensor(contexts, dtype=torch.int64)
     q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
     attend = torch.ops.headrace.paged_decode_attention
     times = []
@@ -59,6 +64,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, nargs="+", default=[176, 1024])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--contexts", type=int, nargs="+", help="one batch of these context lengths")
     args = p.parse_args()
     print(cpu_description())
     reason = load_cpu_ops()
@@ -68,13 +74,21 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({threads} threads)")
     figures = []
+    if args.contexts:
+        read = sum(args.contexts) * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS
+        s = step_seconds(args.contexts, dtype, False, args.steps)
+        print(f"contexts {args.contexts}: {s * 1e3:.2f} ms a step, {read / s / 1e9:.1f} GB/s")
+        print(f"RESULT mixed_cold_vs_bandwidth={read / s / bandwidth:.3f} "
+              f"mixed_step_ms={s * 1e3:.2f} threads={threads} "
+              f"read_gb_s={bandwidth / 1e9:.1f}")  # fmt: skip
+        return
     for keys in args.keys:
         read = args.batch * keys * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize * LAYERS
         rates = {}
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
             for hot in (False, True):
-                s = step_seconds(args.batch, keys, dtype, hot, args.steps)
+                s = step_seconds([keys] * args.batch, dtype, hot, args.steps)
                 rates[(n, hot)] = read / s
                 print(f"{args.batch} x {keys} keys, {n} thread(s), {'hot' if hot else 'cold'}: "
                       f"{s * 1e3:.2f} ms a step, {read / s / 1e9:.1f} GB/s")  # fmt: skip

@@ -168,6 +168,35 @@ def test_long_contexts_are_attended_in_splits_that_merge_exactly(head_dim, block
         assert torch.equal(alone[0], got[i])
 
 
+def test_threads_share_the_keys_not_the_rows():
+    # One long context beside short rows: each thread takes a run of work items holding an
+    # even share of the keys, so the runs' cuts move with the thread count. Every count must
+    # attend every row once, the same bits, and match the reference.
+    torch.manual_seed(7)
+    lens = [2100, 40, 3, 40, 1300, 17, 40, 40]
+    num_blocks = sum(-(-n // 16) for n in lens) + 3
+    tables = _tables(lens, 16, num_blocks)
+    kv = torch.randn(2, num_blocks, 16, 3, 64).to(torch.bfloat16)
+    q = torch.randn(len(lens), 9, 64).to(torch.bfloat16)
+    meta = TorchAttentionBackend().build_metadata(
+        [n - 1 for n in lens], [1] * len(lens), tables, 16, CPU
+    )
+    want = TorchAttentionBackend().forward(q.float(), kv.float(), meta, 0.125)
+    (rows,) = meta.groups
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(torch.ops.headrace.paged_decode_attention(
+                q, kv, rows.block_tables, rows.seq_lens, 0.125))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0].float(), want, atol=2e-2, rtol=2e-2)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 def test_bad_tables_and_lengths_are_refused_not_read():
     kv = torch.zeros(2, 4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)

@@ -439,8 +439,27 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
     const int64_t len = std::min(lens[b], (block0 + per) * block_size) - block0 * block_size;
     return Item{b, kvh, block0, len, false};
   };
-  // Grain 1: an item is a whole pass over its keys.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a run of items holding an even share of the keys: an even share of
+  // the items (parallel_for's split) gave one thread a long context's splits and the other
+  // short requests' items, and a step of 3,000 + 2,000 + 1,200 + 5 x 40 keys ran at 9-11
+  // GB/s against 13-16 for equal contexts. An item also costs a fixed ~kItemKeys keys.
+  constexpr int64_t kItemKeys = 16;
+  std::vector<int64_t> keys_before(items + 1, 0);
+  for (int64_t item = 0, b = 0; item < items; ++item) {
+    const Item it = locate(item, b);
+    b = it.b;
+    keys_before[item + 1] = keys_before[item] + it.len + kItemKeys;
+  }
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> cut(shares + 1, items);
+  for (int64_t t = 0; t < shares; ++t)
+    cut[t] = std::lower_bound(keys_before.begin(), keys_before.end(),
+                              keys_before[items] * t / shares) -
+             keys_before.begin();
+  // Grain 1: a share is one thread's.
+  at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
+    const int64_t begin = cut[share_begin], end = cut[share_end];
+    if (begin >= end) return;
     const int64_t b0 = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     Item it = locate(begin, b0);
     for (int64_t item = begin; item < end; ++item) {
