@@ -124,8 +124,9 @@ def main() -> int:
     out = ROOT / args.result_dir
     out.mkdir(parents=True, exist_ok=True)
     chat_file = out / "chat.jsonl"
-    subprocess.run([sys.executable, "benchmarks/chat_workload.py"], cwd=ROOT, check=True,
-                   stdout=chat_file.open("w"))  # fmt: skip
+    with chat_file.open("w") as f:
+        subprocess.run([sys.executable, "benchmarks/chat_workload.py"], cwd=ROOT, check=True,
+                       stdout=f)  # fmt: skip
     wanted = set(filter(None, args.only.split(",")))
     vllm = vllm_peer(args.vllm)
     rows: list[tuple[str, str, float, list[float]]] = []

@@ -1,13 +1,13 @@
 """What bounds decode attention here: its read rate cold and hot, on one thread and on all.
 
     python benchmarks/decode_attention.py [--batch 32] [--keys 176 1024] [--dtype bfloat16]
-    python benchmarks/decode_attention.py --contexts 3000 40 40 2000 40 1200 40 40
+    python benchmarks/decode_attention.py --contexts 4000 40 40 40 40 40 40 40
 
 A decode step of `batch` requests with `keys` cached keys each calls the kernel once per
 layer over that layer's own cache (SmolLM2's shape: 9 query heads, 3 KV heads of 64, 30
 layers, blocks of 16 scattered through the cache). "cold" walks the 30 layers' caches as a
 step does, so the KV comes from memory; "hot" calls one layer's cache 30 times, so it comes
-from cache and the kernel's arithmetic shows. Printed against the machine's read bandwidth
+from L2 or L3 (by its size). Printed against the machine's read bandwidth
 (a sum over 512 MB): a cold rate that doubles with the threads while staying under the
 bandwidth is bound by each core's misses in flight, not by the arithmetic or the memory.
 
