@@ -22,22 +22,11 @@ import argparse
 import time
 
 import torch
-from machine import cpu_description
+from machine import cpu_description, read_bandwidth
 
 from runner.cpu_ops import load_cpu_ops
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-
-
-def read_bandwidth() -> float:
-    """Bytes a second all threads read: the best of a few sums over 512 MB."""
-    buf = torch.ones(128 << 20)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - t))
-    return best
 
 
 def step_seconds(contexts: list[int], dtype: torch.dtype, hot: bool, steps: int) -> float:

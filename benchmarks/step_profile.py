@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-from machine import cpu_description
+from machine import cpu_description, read_bandwidth
 
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
@@ -73,17 +73,6 @@ def instrumented() -> Iterator[None]:
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-
-
-def read_bandwidth() -> float:
-    """Bytes a second all threads read from memory: the best of a few sums over 512 MB."""
-    x = torch.ones(128 << 20)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * x.element_size() / best
 
 
 def weight_bytes(m: Linear, rows: int) -> int:
