@@ -268,7 +268,9 @@ async def test_killed_worker_fails_requests_and_health_reports_it(smol_tiny):
             device="cpu",
             dtype="float32",
             tensor_parallel_size=2,
-            tensor_parallel_timeout=5.0,
+            # Bounds the first forward too: with the AVX2 kernel build compiling beside it on
+            # CI's two cores, a 5 s bound failed that forward (500, not 200).
+            tensor_parallel_timeout=20.0,
             kv_cache_memory=4 << 20,
         )
     )
@@ -285,7 +287,7 @@ async def test_killed_worker_fails_requests_and_health_reports_it(smol_tiny):
         assert resp.status == 200
         await resp.content.readline()  # the first chunk: the worker is serving
         e.tp_driver.procs[0].kill()
-        # Bounded by the collective timeout (5 s) plus a step; the guard only stops a hang.
+        # Bounded by the collective timeout (20 s) plus a step; the guard only stops a hang.
         async with asyncio.timeout(60):
             text = (await resp.content.read()).decode()
         events = [line.removeprefix("data: ") for line in text.splitlines() if line]
