@@ -28,6 +28,7 @@
 #include "amx.h"
 #include "prefill_args.h"
 #include "vec.h"
+#include "work_runs.h"
 
 namespace {
 
@@ -339,14 +340,10 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
         work[unit + 1] = work[unit] + last_key / kChunk + 2;  // + 2: a tile's fixed cost
       }
   }
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> cut = headrace::even_runs(work, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     headrace::load_tile_config(16, 64);
-    const auto unit_at = [&](int64_t t) {
-      return std::lower_bound(work.begin(), work.end(), work.back() * t / threads) -
-             work.begin();
-    };
-    for (int64_t unit = unit_at(begin), last = unit_at(end); unit < last; ++unit) {
+    for (int64_t unit = cut[begin], last = cut[end]; unit < last; ++unit) {
       const int64_t b = std::upper_bound(tile_offset.begin(), tile_offset.end(), unit) -
                         tile_offset.begin() - 1;
       const int64_t local = unit - tile_offset[b];

@@ -25,6 +25,7 @@
 
 #include "ops.h"
 #include "vec.h"
+#include "work_runs.h"
 
 namespace {
 
@@ -452,11 +453,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
     keys_before[item + 1] = keys_before[item] + it.len + kItemKeys;
   }
   const int64_t shares = std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> cut(shares + 1, items);
-  for (int64_t t = 0; t < shares; ++t)
-    cut[t] = std::lower_bound(keys_before.begin(), keys_before.end(),
-                              keys_before[items] * t / shares) -
-             keys_before.begin();
+  const std::vector<int64_t> cut = even_runs(keys_before, shares);
   // Grain 1: a share is one thread's.
   at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
     const int64_t begin = cut[share_begin], end = cut[share_end];
