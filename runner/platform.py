@@ -303,13 +303,13 @@ def select_platform(
         amx_rows = timed()
         if amx_rows >= max(AMX_GEMM_ROWS):
             float_format, amx_rows = "amx_bf16", 0
-            reasons.append("bf16 linears -> AMX tiles (at least 5% faster at every row count)")
+            reasons.append("bf16 linears -> AMX tiles (oneDNN not 5% faster at any row count)")
         else:
             reasons.append(
-                f"bf16 linears -> AMX tiles up to {amx_rows} rows, oneDNN past (the tiles at "
-                "least 5% faster up to there)"
+                f"bf16 linears -> AMX tiles up to {amx_rows} rows, oneDNN past (oneDNN 5% "
+                "faster past there, in two timings)"
                 if amx_rows
-                else "bf16 linears -> oneDNN (the AMX tiles not at least 5% faster)"
+                else "bf16 linears -> oneDNN (5% faster than the AMX tiles, in two timings)"
             )
     # NOTE: without VNNI, fbgemm sums u8 x s8 pairs in int16 and needs 7-bit activations
     # (reduce_range) not to saturate: on SmolLM2 that lost 2 of 4 greedy answers within a few
