@@ -256,7 +256,8 @@ def measure_small_rows(
     margin: float = 0.9,
 ) -> int:
     """Largest row count at which the weight-only int8 copies beat the layers' own format by
-    `margin`, timed over all of the model's linears in turn; sets it on every layer.
+    `margin`, timed over all of the model's linears in turn (a count they lose is timed
+    again, and the best of both timings decides); sets it on every layer.
 
     NOTE: a single layer stays in cache between calls and flatters the bigger format: the
     bf16 copies of all layers (270 MB for SmolLM2) stream from memory in a real step.
@@ -267,14 +268,23 @@ def measure_small_rows(
         for rows in candidates:
             inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
             sweeps = {use: _sweep(layers, inputs, use) for use in (0, rows)}
-            times = best_of_interleaved(sweeps, reps)
-            log.info(
-                "small-batch int8 at %d rows: %.2f ms vs %.2f ms per sweep of %d linears",
-                rows,
-                times[rows] * 1e3,
-                times[0] * 1e3,
-                len(layers),
-            )
+            times = dict.fromkeys(sweeps, float("inf"))
+            # A count the copies lose is timed again (the best of both decides): one timing
+            # beside a busy neighbour had stopped them at 2 rows, where they serve 32.
+            for timing in (1, 2):
+                again = best_of_interleaved(sweeps, reps)
+                times = {use: min(t, again[use]) for use, t in times.items()}
+                log.info(
+                    "small-batch int8 at %d rows (timing %d): %.2f ms vs %.2f ms per sweep of "
+                    "%d linears",
+                    rows,
+                    timing,
+                    times[rows] * 1e3,
+                    times[0] * 1e3,
+                    len(layers),
+                )
+                if times[rows] < margin * times[0]:
+                    break
             if times[rows] >= margin * times[0]:
                 break
             best_rows = rows

@@ -363,6 +363,28 @@ def test_small_rows_is_measured_on_the_model_and_dropped_when_it_loses():
     assert all(not m.has_small_batch_int8 and m.small_rows == 0 for m in model)
 
 
+def test_small_rows_takes_a_count_lost_in_one_timing_if_it_wins_the_second(monkeypatch):
+    import runner.format_timing as ft
+    from runner.layers.linear import Linear, pack_linears
+
+    model = torch.nn.Sequential(Linear(64, 64))
+    pack_linears(model, "float", small_batch_int8="rows")
+    # (copies' time, own format's time) per timing: 1 row wins at once, 2 rows loses then
+    # wins (a slow first timing), 4 rows loses twice.
+    scripted = iter([(1.0, 2.0), (3.0, 2.0), (1.0, 2.0), (3.0, 2.0), (2.5, 2.0)])
+    timed = []
+
+    def best_of(sweeps, reps):
+        copies, own = next(scripted)
+        rows = max(sweeps)
+        timed.append(rows)
+        return {rows: copies, 0: own}
+
+    monkeypatch.setattr(ft, "best_of_interleaved", best_of)
+    assert ft.measure_small_rows(model, torch.float32, candidates=(1, 2, 4, 8)) == 2
+    assert timed == [1, 2, 2, 4, 4] and model[0].small_rows == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_elementwise_ops_match_the_eager_formulas(dtype):
     from runner.models.decoder import RMSNorm
