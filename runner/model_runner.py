@@ -173,7 +173,8 @@ class ModelRunner:
         if so.is_empty:
             return RunnerOutput()
         started = time.perf_counter()
-        on_device = self.device_tokens is not None and self._plain_greedy_step(so)
+        plain_greedy_step = self._plain_greedy_step(so)
+        on_device = self.device_tokens is not None and plain_greedy_step
         if self.device_tokens is not None:
             self.device_tokens.settle(self.requests, keep_latest=on_device)
         input_ids: list[int] = []
@@ -215,7 +216,9 @@ class ModelRunner:
                     self.requests[rid].num_computed_tokens += n
             if not samplers:
                 return RunnerOutput(forward_s=time.perf_counter() - t_forward)
-            logits = self._logits(hidden, rows)
+            # A step that only takes each row's argmax reads the logits in the model's dtype:
+            # widening [32, 49152] bf16 logits to fp32 took 2% of a batch-32 decode step.
+            logits = self._logits(hidden, rows, widen=not plain_greedy_step)
             if on_device and self.device_tokens is not None:
                 ids = logits.argmax(dim=-1)  # [N] on the GPU; the CPU sampler's greedy choice
                 return self.device_tokens.record(ids, [rid for rid, _, _ in samplers], started)
@@ -278,9 +281,9 @@ class ModelRunner:
             for rid in so.num_scheduled_tokens
         )
 
-    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, rows: list[int], widen: bool) -> torch.Tensor:
         try:
-            return self.model.compute_logits(hidden[to_device(rows, self.device)])
+            return self.model.compute_logits(hidden[to_device(rows, self.device)], widen)
         except Exception as e:
             if self.tp_driver is not None:  # a collective failed: the group is gone
                 self.tp_driver.fail(f"tensor-parallel LM head failed: {e}")

@@ -68,7 +68,7 @@ def verify_drafts(
     given, holds a row per position too (the grammar engine fills rows for d_1..d_j).
     """
     num_rows, vocab = logits.shape
-    logits = process_logits(logits, batch)
+    logits = process_logits(logits.float(), batch)  # .float(): a no-op on fp32 logits
     log_rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
     logprobs_all = logits[log_rows].log_softmax(-1) if log_rows else None
     target = row_argmax(logits)  # [R] the greedy choice at every row

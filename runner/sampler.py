@@ -165,10 +165,12 @@ def sample_plain_greedy(logits: torch.Tensor, batch: SamplingBatch) -> SampleRes
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """Pick one token per row of fp32 [N, V] logits (modified in place)."""
+    """Pick one token per row of [N, V] logits (fp32 ones modified in place; the plain
+    greedy path also takes them in the model's dtype)."""
     fast = sample_plain_greedy(logits, batch)
     if fast is not None:
         return fast
+    logits = logits.float()  # a no-op on fp32; processing and softmax need fp32
     if needs_processing(batch):
         logits = process_logits(logits, batch)
     logprob_rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]

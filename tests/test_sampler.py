@@ -39,6 +39,21 @@ def test_greedy_and_top_k_one_pick_the_argmax():
     assert greedy == expected == topk1
 
 
+def test_bf16_logits_give_the_fp32_choices_on_both_paths():
+    # The runner hands plain greedy steps their logits unwidened; any other batch that gets
+    # bf16 logits is widened before processing, so penalties and softmax run in fp32.
+    logits = torch.randn(4, 300).to(torch.bfloat16)
+    wide = logits.float()
+    greedy = [SamplingParams(temperature=0)] * 4
+    assert sample(logits.clone(), batch(greedy)).token_ids == wide.argmax(-1).tolist()
+    mixed = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, seed=7)]
+    seeds = [None, 7]
+    got = sample(logits[:2].clone(), batch(mixed, seeds=seeds))
+    want = sample(wide[:2].clone(), batch(mixed, seeds=seeds))
+    assert got.token_ids == want.token_ids
+    assert got.logprobs[0] == want.logprobs[0]
+
+
 def test_seeded_row_ignores_its_batch_mates():
     logits = torch.randn(3, V)
     p = SamplingParams(temperature=1.0, seed=42)

@@ -244,11 +244,14 @@ class DecoderForCausalLM(nn.Module):
         changes the layers' kernels (formats, small-batch copies, LoRA wrappers)."""
         self.fused_decode = FusedDecode.build(list(self.layers))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample. Under tensor
-        parallelism every rank computes its vocabulary rows and rank 0 gets them all (the
-        other ranks get None)."""
-        logits = self.lm_head(hidden).float()  # [N, V or V_local]
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample (`widen`
+        False: in the model's dtype, for a caller that only takes argmaxes). Under tensor
+        parallelism every rank computes its vocabulary rows and rank 0 gets them all, in
+        fp32 (the other ranks get None)."""
+        logits = self.lm_head(hidden)  # [N, V or V_local]
+        if widen or self.tp is not None:
+            logits = logits.float()
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
