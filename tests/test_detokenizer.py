@@ -27,6 +27,27 @@ def test_incremental_text_equals_full_decode(tok):
     assert not any("\ufffd" in p for p in pieces)  # never half a character
 
 
+def test_windows_decode_through_the_rust_tokenizer_as_transformers_would(tok):
+    from daemon.engine.detokenizer import window_decoder
+
+    # The embedded tokenizer cleans up no spaces, so its windows skip transformers' wrapper.
+    assert window_decoder(tok) == tok.backend_tokenizer.decode
+    ids = tok.encode(TEXT + " <|im_end|>")
+    for skip in (True, False):
+        for end in range(1, len(ids) + 1):
+            window = ids[max(0, end - 6) : end]
+            assert window_decoder(tok)(window, skip_special_tokens=skip) == tok.decode(
+                window, skip_special_tokens=skip
+            )
+
+    class Cleaning:  # a tokenizer whose decode does more than its backend's
+        backend_tokenizer = tok.backend_tokenizer
+        clean_up_tokenization_spaces = True
+        decode = tok.decode
+
+    assert window_decoder(Cleaning()) == Cleaning.decode
+
+
 def test_stop_string_truncates_and_is_never_streamed(tok):
     pieces, detok = stream(tok, TEXT, SamplingParams(stop=["café"]))
     text = "".join(pieces)

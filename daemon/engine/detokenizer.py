@@ -7,7 +7,7 @@ and emits only the text that the window added, once it no longer ends in U+FFFD.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduling import SamplingParams
@@ -16,11 +16,22 @@ from scheduling import SamplingParams
 _CONTEXT_TOKENS = 5
 
 
+def window_decoder(tokenizer: Any) -> Callable[..., str]:
+    """`decode(ids, skip_special_tokens=...)` for the windows: the Rust tokenizer's own where
+    transformers' `decode` would only wrap it (a fast tokenizer that cleans up no spaces).
+    On SmolLM2's tokenizer, 32 requests' tokens took 0.08-0.11 ms through it against
+    0.24-0.25 through the wrapper (two calls a token), on the thread that runs the steps."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Turns one request's output ids into text deltas and watches for stop strings."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        self.tokenizer = tokenizer
+        self.decode = window_decoder(tokenizer) if tokenizer is not None else None
         self.params = params
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -35,16 +46,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new output ids; return newly final text. Sets `stop_reason` on a stop string."""
-        if self.tokenizer is None or self.stop_reason is not None:
+        if self.decode is None or self.stop_reason is not None:
             return ""
         checked_from = max(0, len(self.text) - self.hold)
         for i, token_id in enumerate(token_ids):
             self.ids.append(token_id)
             skip = self.params.skip_special_tokens
-            before = self.tokenizer.decode(
+            before = self.decode(
                 self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
             )
-            after = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
+            after = self.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self.text += after[len(before) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
