@@ -197,6 +197,25 @@ def test_threads_share_the_keys_not_the_rows():
         assert torch.equal(out, outs[0])
 
 
+def test_prompt_chunks_are_the_same_bits_at_every_thread_count():
+    # A chunk after a long cached prefix beside short prompts: the prompt kernel packs each
+    # (request, KV head)'s keys in runs cut by their length and attends tiles in runs cut by
+    # their causal work, so the cuts move with the thread count; no row may move with them.
+    reqs = [(1200, 40), (0, 17), (0, 3), (5, 20), (0, 1)]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(_step(reqs, 9, 3, 64, 16, torch.bfloat16, num_blocks=96))
+    finally:
+        torch.set_num_threads(threads)
+    want, got = outs[0]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for _, other in outs[1:]:
+        assert torch.equal(other, got)
+
+
 def test_bad_tables_and_lengths_are_refused_not_read():
     kv = torch.zeros(2, 4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)

@@ -313,8 +313,16 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   }
   uint16_t* keys = keys_buf.data();
   uint16_t* values = values_buf.data();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
+  // Units: (request, KV head), split by the chunks each packs (+ 1 for its fixed cost), as
+  // the decode kernel splits its keys: by count, one long context beside short prompts left
+  // one thread most of the copying.
+  std::vector<int64_t> packed(batch * kv_heads + 1, 0);
+  for (int64_t unit = 0; unit < batch * kv_heads; ++unit)
+    packed[unit + 1] = packed[unit] + (lens[unit / kv_heads] + kChunk - 1) / kChunk + 1;
+  const std::vector<int64_t> pack_cut = headrace::even_runs(packed, at::get_num_threads());
+  const int64_t pack_runs = static_cast<int64_t>(pack_cut.size()) - 1;
+  at::parallel_for(0, pack_runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = pack_cut[begin], last = pack_cut[end]; unit < last; ++unit) {
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
       const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
