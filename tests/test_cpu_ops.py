@@ -333,10 +333,39 @@ def test_amx_int8_linear_matches_the_dequantised_matmul_or_says_why_not(dtype):
             assert torch.equal(op(x[:1], tiles, scale, bias, n_dim), got[:1])
         no_bias = op(x, tiles, scale, None, n_dim).float()
         torch.testing.assert_close(no_bias, want - bias, atol=tol, rtol=tol)
+        # A view whose rows are strided (a narrow of a wider output) is read in place.
+        wide = torch.randn(3, k_dim + 8).to(dtype)
+        view = wide[:, :k_dim]
+        torch.testing.assert_close(
+            op(view, tiles, scale, bias, n_dim), op(view.contiguous(), tiles, scale, bias, n_dim)
+        )
         with pytest.raises(RuntimeError, match="columns, the tiles were packed for"):
             op(torch.zeros(1, k_dim + 32, dtype=dtype), tiles, scale, bias, n_dim)
         with pytest.raises(RuntimeError, match="n does not match"):
             op(x, tiles, scale, bias, n_dim + 16)
+
+
+def test_amx_int8_linear_leaves_nothing_of_an_earlier_call_in_a_row():
+    # Rows off the 16-row tile grid are staged in a buffer reused between calls. A call of
+    # 64 inputs leaves NaNs where a call of 40 inputs has its pad columns (which meet the
+    # weights' zero padding) and its pad rows: neither may reach an output.
+    from runner.layers.weight_formats import Int8Weight
+
+    op = torch.ops.headrace.amx_int8_linear
+    torch.manual_seed(3)
+    packed = {}
+    for k_dim in (64, 40):
+        q, scale = Int8Weight.quantize_rows(torch.randn(48, k_dim) * 0.05)
+        packed[k_dim] = (torch.ops.headrace.amx_pack_int8(q), scale, q.float() * scale[:, None])
+    nan = torch.full((15, 64), float("nan"), dtype=torch.bfloat16)
+    if not torch.ops.headrace.amx_usable():
+        with pytest.raises(RuntimeError, match="no usable AMX"):
+            op(nan, packed[64][0], packed[64][1], None, 48)
+        return
+    assert op(nan, packed[64][0], packed[64][1], None, 48).isnan().all()
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    got = op(x, packed[40][0], packed[40][1], None, 48)
+    torch.testing.assert_close(got.float(), x.float() @ packed[40][2].t(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("layout", ["rows", "amx"])

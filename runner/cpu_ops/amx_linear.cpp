@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "amx.h"
 #include "ops.h"
@@ -164,17 +166,31 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
   at::Tensor out = at::empty({m_dim, n_dim}, x.options());
 #if HEADRACE_AMX
   if (m_dim == 0) return out;
-  // Activation tiles are read 16 rows x 32 columns at a time: pad to whole tiles (the pad
-  // rows and columns are zero, so they add nothing).
+  // Activation tiles are read 16 rows x 32 columns at a time. Rows that are not whole tiles
+  // (a decode step of 1-15 rows: most calls) or fp32 rows are staged in whole tiles in a
+  // buffer kept per thread; a zeroed tensor a call cost an allocation and a fill 120 times
+  // a step. Pad rows are left as they are: an output row depends on its own input row only,
+  // and pad rows' outputs are never stored. Pad columns are zeroed: they meet the weights'
+  // zero padding in every row, and 0 x NaN would not be 0.
   const int64_t m_pad = (m_dim + 15) / 16 * 16;
-  at::Tensor xb;
+  const uint16_t* xp;
   if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && m_pad == m_dim && k_pad == k_dim) {
-    xb = x;
+    xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   } else {
-    xb = at::zeros({m_pad, k_pad}, x.options().dtype(at::kBFloat16));
-    xb.narrow(0, 0, m_dim).narrow(1, 0, k_dim).copy_(x);
+    thread_local std::vector<uint16_t> staged;
+    if (staged.size() < static_cast<size_t>(m_pad * k_pad)) staged.resize(m_pad * k_pad);
+    if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
+      const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < m_dim; ++r)
+        std::memcpy(staged.data() + r * k_pad, src + r * x.stride(0), k_dim * 2);
+    } else {
+      at::from_blob(staged.data(), {m_dim, k_dim}, {k_pad, 1}, x.options().dtype(at::kBFloat16))
+          .copy_(x);
+    }
+    for (int64_t r = 0; r < m_dim && k_pad > k_dim; ++r)
+      std::memset(staged.data() + r * k_pad + k_dim, 0, (k_pad - k_dim) * 2);
+    xp = staged.data();
   }
-  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::Tensor sc = scale.contiguous();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
