@@ -319,10 +319,8 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   std::vector<int64_t> packed(batch * kv_heads + 1, 0);
   for (int64_t unit = 0; unit < batch * kv_heads; ++unit)
     packed[unit + 1] = packed[unit] + (lens[unit / kv_heads] + kChunk - 1) / kChunk + 1;
-  const std::vector<int64_t> pack_cut = headrace::even_runs(packed, at::get_num_threads());
-  const int64_t pack_runs = static_cast<int64_t>(pack_cut.size()) - 1;
-  at::parallel_for(0, pack_runs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = pack_cut[begin], last = pack_cut[end]; unit < last; ++unit) {
+  headrace::parallel_even_runs(packed, [&](int64_t first, int64_t last) {
+    for (int64_t unit = first; unit < last; ++unit) {
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
       const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
@@ -348,10 +346,9 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
         work[unit + 1] = work[unit] + last_key / kChunk + 2;  // + 2: a tile's fixed cost
       }
   }
-  const std::vector<int64_t> cut = headrace::even_runs(work, at::get_num_threads());
-  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+  headrace::parallel_even_runs(work, [&](int64_t first, int64_t last) {
     headrace::load_tile_config(16, 64);
-    for (int64_t unit = cut[begin], last = cut[end]; unit < last; ++unit) {
+    for (int64_t unit = first; unit < last; ++unit) {
       const int64_t b = std::upper_bound(tile_offset.begin(), tile_offset.end(), unit) -
                         tile_offset.begin() - 1;
       const int64_t local = unit - tile_offset[b];

@@ -452,12 +452,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
     b = it.b;
     keys_before[item + 1] = keys_before[item] + it.len + kItemKeys;
   }
-  const int64_t shares = std::min<int64_t>(at::get_num_threads(), items);
-  const std::vector<int64_t> cut = even_runs(keys_before, shares);
-  // Grain 1: a share is one thread's.
-  at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
-    const int64_t begin = cut[share_begin], end = cut[share_end];
-    if (begin >= end) return;
+  parallel_even_runs(keys_before, [&](int64_t begin, int64_t end) {
     const int64_t b0 = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     Item it = locate(begin, b0);
     for (int64_t item = begin; item < end; ++item) {

@@ -4,6 +4,8 @@
 // kernels, whose units differ in work by up to a whole context.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -21,6 +23,19 @@ inline std::vector<int64_t> even_runs(const std::vector<int64_t>& work_before, i
              work_before.begin();
   cut[runs] = static_cast<int64_t>(work_before.size()) - 1;
   return cut;
+}
+
+// Calls body(first, last) once on each thread, with its run [first, last) of the units
+// (`work_before` as above); a thread whose run is empty makes no call.
+template <typename Body>
+void parallel_even_runs(const std::vector<int64_t>& work_before, const Body& body) {
+  const int64_t units = static_cast<int64_t>(work_before.size()) - 1;
+  const int64_t runs = std::min<int64_t>(at::get_num_threads(), units);
+  if (runs <= 0) return;
+  const std::vector<int64_t> cut = even_runs(work_before, runs);
+  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
+    if (cut[begin] < cut[end]) body(cut[begin], cut[end]);
+  });
 }
 
 }  // namespace headrace
