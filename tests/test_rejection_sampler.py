@@ -133,6 +133,10 @@ def test_greedy_accepts_the_prefix_that_matches_the_argmax_plus_one():
     tokens, logprobs = verify_drafts(logits.clone(), make_batch(greedy, 4), [[3, 4, 6]])
     assert tokens == [[3, 5]]  # second draft corrected, third dropped
     assert len(logprobs[0]) == 2
+    # The runner hands over the LM head's own dtype; verification widens before it works.
+    wide = verify_drafts(logits.clone(), make_batch(greedy, 4), [[3, 5, 6]])
+    half = verify_drafts(logits.to(torch.bfloat16), make_batch(greedy, 4), [[3, 5, 6]])
+    assert half == wide
 
 
 def test_seeded_verification_is_reproducible():

@@ -246,9 +246,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, only for the rows that sample (`widen`
-        False: in the model's dtype, for a caller that only takes argmaxes). Under tensor
-        parallelism every rank computes its vocabulary rows and rank 0 gets them all, in
-        fp32 (the other ranks get None)."""
+        False: in the model's dtype, for the sampler, which widens what it processes).
+        Under tensor parallelism every rank computes its vocabulary rows and rank 0 gets
+        them all, in fp32 (the other ranks get None)."""
         logits = self.lm_head(hidden)  # [N, V or V_local]
         if widen or self.tp is not None:
             logits = logits.float()
