@@ -1,7 +1,9 @@
-"""Quality of the fast weight formats against the fp32 path, on the embedded SmolLM2.
+"""Quality of the fast weight and KV formats against the fp32 path, on the embedded SmolLM2.
 
-    python benchmarks/quality_int8.py [--variants fp32 bf16 int8 bf16+int8 auto]
-                                      [--ppl-tokens 4096]
+    python benchmarks/quality_int8.py [--variants fp32 bf16 int8 bf16+int8 auto
+                                       fp32+kv8 bf16+kv8 auto+kv8] [--ppl-tokens 4096]
+
+`+kv8` variants store the KV cache as int8 rows (--kv-cache-dtype int8, runner/kv_format.py).
 
 `auto` is what `headrace serve` picks on this CPU; where that includes the small-batch or
 batched int8 weights (runner/platform.py), its prompts run one batch of at most `small_rows`
@@ -17,7 +19,7 @@ they are kept).
    LICENSE.txt (its own licence and the bundled ones), first `--ppl-tokens` tokens, scored
    in chunks of 1024 tokens that each see all earlier tokens (through the paged KV cache).
 
-Target (issue 9): int8 perplexity within +2% of fp32.
+Target (issue 9): int8 perplexity within +2% of fp32; the int8 KV cache the same.
 """
 
 from __future__ import annotations
@@ -34,18 +36,24 @@ from machine import cpu_description
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
+from runner import kv_format
 from runner.attention import build_metadata
 from runner.model_runner import ModelRunner
 from scheduling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "data" / "chat_prompts.txt"
+# name: (dtype, quantization, kv_cache_dtype)
 VARIANTS = {
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("float32", "int8"),
-    "bf16+int8": ("bfloat16", "int8"),
-    "auto": ("auto", "auto"),
+    "fp32": ("float32", "none", "auto"),
+    "bf16": ("bfloat16", "none", "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "bf16+int8": ("bfloat16", "int8", "auto"),
+    "auto": ("auto", "auto", "auto"),
+    "fp32+kv8": ("float32", "none", "int8"),
+    "bf16+kv8": ("bfloat16", "none", "int8"),
+    "auto+kv8": ("auto", "auto", "int8"),
 }
+DEFAULT_VARIANTS = ["fp32", "bf16", "int8", "bf16+int8", "auto"]
 
 
 def english_text() -> str:
@@ -67,10 +75,13 @@ def chat_prompts(tokenizer) -> list[str]:
 
 
 @torch.inference_mode()
-def perplexity(loaded: LoadedModel, ids: list[int], chunk: int = 1024) -> float:
+def perplexity(
+    loaded: LoadedModel, ids: list[int], chunk: int = 1024, kv_cache_dtype: str = "auto"
+) -> float:
     block = 16
+    kv_dtype = kv_format.cache_dtype(kv_cache_dtype, loaded.dtype)
     runner = ModelRunner(
-        loaded.model, loaded.config, -(-len(ids) // block), block, loaded.device, loaded.dtype
+        loaded.model, loaded.config, -(-len(ids) // block), block, loaded.device, kv_dtype
     )
     blocks = list(range(-(-len(ids) // block)))
     nll, count = 0.0, 0
@@ -90,7 +101,7 @@ def perplexity(loaded: LoadedModel, ids: list[int], chunk: int = 1024) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
@@ -100,10 +111,10 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {}
     ppl: dict[str, float] = {}
     for name in variants:
-        dtype, quant = VARIANTS[name]
+        dtype, quant, kv = VARIANTS[name]
         config = EngineConfig(
             device="cpu", dtype=dtype, quantization=quant, threads=args.threads,
-            kv_cache_memory=256 << 20, max_num_seqs=64,
+            kv_cache_memory=256 << 20, max_num_seqs=64, kv_cache_dtype=kv,
         )  # fmt: skip
         loaded = LoadedModel.load(config)
         rows = (
@@ -116,7 +127,7 @@ def main() -> None:
         prompts = chat_prompts(engine.tokenizer)
         outputs[name] = [c.token_ids for c in engine.generate(prompts, params)]
         text_ids = engine.tokenizer.encode(english_text())[: args.ppl_tokens]
-        ppl[name] = perplexity(loaded, text_ids, chunk=rows or 1024)
+        ppl[name] = perplexity(loaded, text_ids, chunk=rows or 1024, kv_cache_dtype=kv)
         described = loaded.platform.describe() if loaded.platform else ""
         del engine, loaded
         print(f"{name}: perplexity {ppl[name]:.3f} on {len(text_ids)} tokens; {described}")

@@ -1,7 +1,8 @@
 """Paged attention over a flattened batch: metadata built once per step, used by every layer.
 
-KV cache of one layer: `[2, num_blocks, block_size, kv_heads, head_dim]`; the slot of
-token position p of a request is `block_ids[p // block_size] * block_size + p % block_size`.
+KV cache of one layer: `[2, num_blocks, block_size, kv_heads, head_dim]` (rows of head_dim
++ 4 in the int8 cache, runner/kv_format.py); the slot of token position p of a request is
+`block_ids[p // block_size] * block_size + p % block_size`.
 
 The torch reference gathers each request's blocks into a padded `[B, kv_heads, K, D]`
 copy and runs one masked `scaled_dot_product_attention` per group. Requests are split into
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from runner import kv_format
 
 
 @dataclass(slots=True)
@@ -168,9 +171,12 @@ def _group(
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys and values [T, kv_heads, D] at their slots."""
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    """Store new keys and values [T, kv_heads, D] at their slots (quantised into an int8
+    cache)."""
+    if kv_cache.dtype == torch.int8:
+        k, v = kv_format.quantize_rows(k), kv_format.quantize_rows(v)
+    _, num_blocks, block_size, kv_heads, width = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, width)
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
 
@@ -221,6 +227,8 @@ def paged_attention(
             continue
         # One gather for K and V: [2, B * blocks, block, KVH, D] -> [2, B, KVH, K, D]
         kv = kv_cache.index_select(1, g.block_tables.reshape(-1))
+        if kv.dtype == torch.int8:
+            kv = kv_format.dequantize_rows(kv, q.dtype)
         kv = kv.view(2, b, -1, kv_heads, head_dim).transpose(2, 3)
         qg = q if g.covers_all else q[g.token_index]
         if g.fresh:

@@ -127,7 +127,7 @@ def wants_vec_prefill(
     (where the shape allows), None follows the measured choice for the step's kind."""
     _, heads, head_dim = q.shape
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if setting is False or kv_cache.dtype != q.dtype:
+    if setting is False or kv_cache.dtype not in (q.dtype, torch.int8):
         return False
     if not kernel_supports(heads, kv_heads, head_dim, q.dtype):
         return False

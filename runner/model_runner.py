@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grammars import GrammarState, allocate_bitmask
+from runner import kv_format
 from runner.attention_backends import select_attention_backend
 from runner.device_queue import DeviceTokens, PendingOutput, plain_greedy, to_device
 from runner.fault_isolation import sample_isolated, sample_one_each
@@ -52,8 +53,10 @@ class RunnerRequest:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers in a cache of `dtype` (int8: kv_format's rows)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_hidden_layers * 2 * block_size * cfg.kv_size * itemsize
+    row = kv_format.row_width(cfg.head_dim, dtype)
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * row * itemsize
 
 
 class ModelRunner:
@@ -66,7 +69,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype = torch.float32,
         attention_backend: str = "auto",
         decode_graphs: tuple[int, int] | None = None,
         proposer: Proposer | None = None,
@@ -75,7 +78,8 @@ class ModelRunner:
         kv_connector: KVConnectorWorker | None = None,
         tp_driver: TensorParallelDriver | None = None,
     ) -> None:
-        """`decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
+        """`kv_dtype`: the KV cache's, the model's dtype or torch.int8 (runner/kv_format.py).
+        `decode_graphs` = (max_num_seqs, max_model_len) captures CUDA graphs for
         decode-only steps (CUDA with the Triton backend only; ignored elsewhere). `lora`
         serves adapters (its wrappers are installed on `model` already). `tp_driver`: the
         model is rank 0's shard; each step's input goes to the other ranks first."""
@@ -90,13 +94,18 @@ class ModelRunner:
         self.tp_driver = tp_driver
         # This rank's KV heads (all of them without tensor parallelism).
         local = getattr(model, "local_config", cfg)
-        shape = (2, num_blocks, block_size, local.num_key_value_heads, local.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = kv_format.allocate(
+            cfg.num_hidden_layers, num_blocks, block_size, local.num_key_value_heads,
+            local.head_dim, kv_dtype, device,
+        )  # fmt: skip
         self.attn_backend = select_attention_backend(
             device, local.num_key_value_heads, attention_backend
         )
+        if kv_dtype == torch.int8 and self.attn_backend.name == "triton":
+            raise ValueError(
+                "kv_cache_dtype: 'int8' is read by the CPU kernels and the torch backend; the "
+                "Triton kernels read the model's dtype (on CUDA: --attention-backend torch)"
+            )
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.attn_backend)
         elif self.attn_backend.name != "torch":

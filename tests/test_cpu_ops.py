@@ -108,7 +108,7 @@ def test_prefill_kernel_refuses_what_it_cannot_do():
         with pytest.raises(RuntimeError, match="no usable AMX"):
             op(torch.empty_like(q), q, *args)
         return
-    with pytest.raises(RuntimeError, match="bf16 only"):
+    with pytest.raises(RuntimeError, match="bf16 q and out"):
         op(torch.empty_like(q.float()), q.float(), *args)
     with pytest.raises(RuntimeError, match="query rows out of range"):
         op(torch.empty_like(q), q, kv, one.view(1, 1) * 0, one * 4, one * 2, one * 4, 0.125)
@@ -224,7 +224,7 @@ def test_bad_tables_and_lengths_are_refused_not_read():
         op(q, kv, torch.tensor([[7]]), torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="seq_lens out of range"):
         op(q, kv, torch.tensor([[0]]), torch.tensor([17]), 1.0)
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="must have q's dtype, or be int8"):
         op(q.bfloat16(), kv, torch.tensor([[0]]), torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(q, kv.transpose(2, 3), torch.tensor([[0]]), torch.tensor([5]), 1.0)
@@ -504,14 +504,15 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
 def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
-    # Here the same tests (and the LoRA kernel's, the fused decoder's and row_argmax's) run
-    # in a fresh process on a build without AVX-512.
+    # Here the same tests (and the LoRA kernel's, the fused decoder's, row_argmax's and the
+    # int8 KV cache's) run in a fresh process on a build without AVX-512.
     env, cache = isa_build("-mno-avx512f")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
          __file__.replace("test_cpu_ops.py", "test_fused_decode.py"),
-         __file__.replace("test_cpu_ops.py", "test_row_argmax.py"), "-k", "not avx2_build"],
+         __file__.replace("test_cpu_ops.py", "test_row_argmax.py"),
+         __file__.replace("test_cpu_ops.py", "test_kv_int8_kernels.py"), "-k", "not avx2_build"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -519,17 +520,13 @@ def test_the_avx2_build_passes_these_tests_too(isa_build):
     assert any(cache.glob("cpu_ops/*/built.ok"))  # the build it loaded
 
 
-# The sources with ISA branches (#if __AVX512...__, AVX-VNNI, AMX), compiled as one unit:
+# The sources with ISA branches (#if __AVX512...__, AVX-VNNI, AMX), compiled as two units:
 # the others hold none, and paged_attention.cpp shares names with vec_attention.cpp.
-_ISA_SOURCES = (
-    "batched_int8",
-    "int8_linear",
-    "lora",
-    "vec_attention",
-    "amx_linear",
-    "amx_attention",
-    "argmax",
-)
+_ISA_UNITS = (
+    ("batched_int8", "int8_linear", "lora", "vec_attention", "amx_linear", "amx_attention",
+     "argmax"),
+    ("paged_attention",),
+)  # fmt: skip
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
@@ -550,8 +547,6 @@ def test_the_kernels_compile_for_cpu_kinds_other_than_this_one(march, defines, t
     from torch.utils.cpp_extension import include_paths
 
     src = Path(__file__).resolve().parents[1] / "runner" / "cpu_ops"
-    unit = tmp_path / "isa_unit.cpp"
-    unit.write_text("".join(f'#include "{name}.cpp"\n' for name in _ISA_SOURCES))
     flags = ["g++", "-std=c++17", "-fopenmp", f"-march={march}", f"-I{src}"]
     flags += [f"-I{p}" for p in include_paths()]
     macros = subprocess.run(
@@ -559,7 +554,10 @@ def test_the_kernels_compile_for_cpu_kinds_other_than_this_one(march, defines, t
     )
     assert macros.returncode == 0, macros.stderr[-2000:]
     assert all(f"#define {d} 1" in macros.stdout for d in defines), f"{march} lacks {defines}"
-    done = subprocess.run(
-        [*flags, "-w", "-fsyntax-only", str(unit)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    for i, names in enumerate(_ISA_UNITS):
+        unit = tmp_path / f"isa_unit{i}.cpp"
+        unit.write_text("".join(f'#include "{name}.cpp"\n' for name in names))
+        done = subprocess.run(
+            [*flags, "-w", "-fsyntax-only", str(unit)], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]

@@ -98,9 +98,9 @@ def test_the_kernel_refuses_what_it_cannot_do():
         op(torch.empty_like(q), q, kv, table, lens, starts, counts, 0.125)
 
     call()  # the well-formed call runs
-    with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16, kv_cache the same or int8"):
         call(q=q.bfloat16())
-    with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16, kv_cache the same or int8"):
         call(q=q.half(), kv=kv.half())
     with pytest.raises(RuntimeError, match="head dim 64 or 128"):
         call(q=torch.zeros(4, 2, 32), kv=torch.zeros(2, 4, 16, 1, 32))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner import kv_format
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.cpu_ops import load_cpu_ops
 from runner.layers.batched_int8 import batched_kernels
@@ -57,9 +58,11 @@ def build(dtype: torch.dtype, head_dim: int = 64, bias: bool = False, qk_norm: b
 
 
 def caches(model: DecoderForCausalLM, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The model's caches of `dtype` rows (the model's dtype, or int8: kv_format's rows)."""
     cfg = model.config
-    shape = (2, 32, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+    return kv_format.allocate(
+        cfg.num_hidden_layers, 32, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype, CPU
+    )
 
 
 def step(model, kv, done: list[int], new: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -72,14 +75,15 @@ def step(model, kv, done: list[int], new: list[int], tables: list[list[int]]) ->
 
 
 def prefilled(model, dtype, lens: list[int]) -> tuple[list[torch.Tensor], list[list[int]]]:
-    kv = caches(model, dtype)
+    kv = caches(model, dtype)  # dtype: the cache's
     tables = [[2 * i + 1, 2 * i + 2, 20 + i] for i in range(len(lens))]  # scattered blocks
     step(model, kv, [0] * len(lens), lens, tables)
     return kv, tables
 
 
 def equal_steps(model: DecoderForCausalLM, dtype: torch.dtype, batch: int) -> list[int]:
-    """Checks one decode step fused against the layer path; returns the kinds it ran."""
+    """Checks one decode step fused against the layer path; returns the kinds it ran.
+    `dtype`: the KV cache's (the model's, or torch.int8)."""
     assert model.fused_decode is not None
     plan = model.fused_decode.plan(batch)
     assert plan is not None
@@ -100,6 +104,12 @@ def equal_steps(model: DecoderForCausalLM, dtype: torch.dtype, batch: int) -> li
 @pytest.mark.parametrize("head_dim,bias,batch", [(64, False, 1), (64, True, 3), (32, False, 4)])
 def test_fused_decode_equals_the_layer_by_layer_forward(dtype, head_dim, bias, batch):
     assert equal_steps(build(dtype, head_dim, bias), dtype, batch) == [ROWS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_kv_cache_is_written_and_read_fused_too(dtype):
+    # The fused step writes quantised rows and attends them as the layer path does.
+    assert equal_steps(build(dtype), torch.int8, 3) == [ROWS]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -72,6 +72,23 @@ def test_disk_tier_survives_a_restart_with_the_same_text(tiny, colocated, cache)
     restarted.close()
 
 
+def test_int8_rows_survive_a_restart_and_are_foreign_to_float_rows(tiny, cache):
+    # An int8 cache's rows carry their scales (runner/kv_format.py): a block is still one copy.
+    first = engine_for(tiny, kv_connector="disk", kv_cache_dtype="int8")
+    want = run(first).token_ids
+    first.close()
+    assert len(block_files(cache)) == 4
+    # The layout names the rows' dtype: an engine of float rows finds none of these.
+    floats = engine_for(tiny, kv_connector="disk")
+    assert run(floats).cached_tokens == 0
+    floats.close()
+    restarted = engine_for(tiny, kv_connector="disk", kv_cache_dtype="int8")
+    done = run(restarted)
+    assert done.token_ids == want and done.cached_tokens == 64
+    assert restarted.kv_connector.worker.num_loaded_blocks == 4
+    restarted.close()
+
+
 def test_a_corrupt_block_is_recomputed_and_never_used(tiny, colocated, cache):
     engine = engine_for(tiny, kv_connector="disk")
     run(engine)

@@ -139,35 +139,45 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+QWEN2_ODD_KV = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48, vocab_size=321)
+
+
 @pytest.mark.parametrize(
-    ("kind", "overrides"),
+    ("kind", "overrides", "kv_cache_dtype"),
     [
         # GQA whose 3 KV heads do not divide by 2, an odd vocabulary, Q/K/V biases.
-        (
-            "qwen2",
-            dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48, vocab_size=321),
-        ),
+        ("qwen2", QWEN2_ODD_KV, "auto"),
         # One KV head (replicated), tied embeddings over an odd vocabulary.
-        ("llama-plain", dict(num_key_value_heads=1, vocab_size=317, tie_word_embeddings=True)),
+        (
+            "llama-plain",
+            dict(num_key_value_heads=1, vocab_size=317, tie_word_embeddings=True),
+            "auto",
+        ),
+        # int8 rows are quantised per token and KV head, so a rank's share of the heads
+        # holds the same rows as the whole.
+        ("qwen2", QWEN2_ODD_KV, "int8"),
     ],
 )
 def test_tp2_greedy_equals_tp1_with_chunks_prefix_hits_and_preemption(
-    kind, overrides, tmp_path, monkeypatch
+    kind, overrides, kv_cache_dtype, tmp_path, monkeypatch
 ):
     # Shared slots of 512 bytes: decode rows go through shared memory, prefill chunks and the
     # logits gather through gloo; every rank must pick the same path for each collective.
     monkeypatch.setattr(driver, "SHM_SLOT_BYTES", 512)
     make_tiny_hf_model(kind, tmp_path, **overrides)
     ps = prompts(6, overrides["vocab_size"])
-    cfg = dict(block_size=4, max_num_batched_tokens=24, long_prefill_token_threshold=7)
+    cfg = dict(block_size=4, max_num_batched_tokens=24, long_prefill_token_threshold=7,
+               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    kv_dtype = torch.int8 if kv_cache_dtype == "int8" else torch.float32
     outs, preemptions, hits = [], [], []
     for tp in (1, 2):
         # 20 blocks per rank: too few for six requests at once, so some are recomputed.
         full = HFDirectory(tmp_path).config()
         heads = max_kv_heads_per_rank(full, tp)  # the rank with the most KV heads decides
-        per_block = kv_bytes_per_block(replace(full, num_key_value_heads=heads), 4, torch.float32)
+        per_block = kv_bytes_per_block(replace(full, num_key_value_heads=heads), 4, kv_dtype)
         with engine(tmp_path, tp, kv_cache_memory=20 * per_block, **cfg) as e:
             assert e.kv.num_blocks == 20
+            assert all(c.dtype == kv_dtype for c in e.runner.kv_caches)
             assert (e.tp_driver is not None) == (tp == 2)
             # Rank 0 holds its share of the MLP, not the whole of it.
             assert e.model.layers[0].mlp.down_proj.in_features == 96 // tp

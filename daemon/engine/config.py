@@ -39,6 +39,13 @@ class EngineConfig:
         "bytes of KV cache (default: a quarter of available RAM, at most 1 GiB, on CPU; "
         "gpu-memory-utilization of free device memory on CUDA)",
     )
+    kv_cache_dtype: str = opt(
+        "auto",
+        "how KV cache rows are stored: auto (the model's dtype) or int8 (each token's row per "
+        "KV head as int8 values and one fp32 scale: about half of bf16's bytes, so decode "
+        "attention reads half and the cache holds ~1.9x the tokens; the CPU kernels and the "
+        "torch backend, not Triton)",
+    )
     attention_backend: str = opt(
         "auto",
         "torch, cpu, triton, or auto (Triton kernels on CUDA, the C++ kernels on the CPU when "

@@ -30,6 +30,7 @@ from daemon.engine.stats import engine_stats
 from grammars import GrammarSpec
 from grammars.limits import GrammarLimits
 from kvcache import KVCacheManager
+from runner import kv_format
 from runner.device_queue import PendingOutput
 from runner.lora import LoRARegistry, UnknownAdapterError
 from runner.model_runner import ModelRunner
@@ -65,6 +66,8 @@ class Engine:
         self.stops_steps = False
         loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
+        # The KV cache's rows: the model's dtype, or int8 (runner/kv_format.py).
+        self.kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer, self.model, self.model_config = (
             loaded.tokenizer,
             loaded.model,
@@ -83,8 +86,9 @@ class Engine:
                 self.model, self.model_config, self.model_name, config, self.device, self.dtype
             )
         num_blocks = num_kv_blocks(
-            config, self.model, self.model_config, self.device, self.dtype, max_model_len
-        )
+            config, self.model, self.model_config, self.device, self.dtype, self.kv_dtype,
+            max_model_len,
+        )  # fmt: skip
         # A data-parallel replica records KV events for the front door's router mirror.
         self.kv = KVCacheManager(
             num_blocks,
@@ -102,7 +106,7 @@ class Engine:
             max_loras=config.max_loras if self.loras is not None else 0,
         )
         self.kv_connector = kv_connectors.build_kv_connector(
-            config, self.model, self.model_config, self.dtype, self.device
+            config, self.model, self.model_config, self.kv_dtype, self.device
         )
         self.scheduler = Scheduler(
             sched_config,
@@ -121,7 +125,7 @@ class Engine:
             num_blocks,
             config.block_size,
             self.device,
-            self.dtype,
+            self.kv_dtype,
             config.attention_backend,
             (config.max_num_seqs, max_model_len) if graphs else None,
             speculative.build_proposer(self.speculative),

@@ -35,15 +35,17 @@ def num_kv_blocks(
     model_config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     max_model_len: int,
 ) -> int:
+    """Blocks for the cache's rows of `kv_dtype` (the model's `dtype`, or int8)."""
     # Under tensor parallelism every rank holds the same blocks of its own KV heads: the
     # budget is per rank, sized for the rank that holds the most heads.
     local = model_config
     if config.tensor_parallel_size > 1:
         heads = max_kv_heads_per_rank(model_config, config.tensor_parallel_size)
         local = replace(model_config, num_key_value_heads=heads)
-    per_block = kv_bytes_per_block(local, config.block_size, dtype)
+    per_block = kv_bytes_per_block(local, config.block_size, kv_dtype)
     budget = config.kv_cache_memory
     if budget is None:
         if device.type == "cuda":

@@ -49,6 +49,7 @@ def tp_cache_spec(engine: Engine, num_blocks: int, loaded: LoadedModel) -> Cache
         platform.small_rows if platform else 0,
         platform.min_rows if platform else None,
         engine.config.deterministic,
+        engine.kv_dtype == torch.int8,
     )
 
 
@@ -78,7 +79,8 @@ def describe(engine: Engine) -> str:
     return (
         f"engine: {engine.model_name} ({engine.model_config.architecture}) on "
         f"{engine.device}/{engine.dtype}, attention {engine.runner.attn_backend.name}, "
-        f"{engine.kv.num_blocks} KV blocks of {config.block_size} tokens, "
+        f"{engine.kv.num_blocks} KV blocks of {config.block_size} tokens "
+        f"({str(engine.kv_dtype).removeprefix('torch.')} rows), "
         f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, thread governor "
         f"{'on' if engine.governor else 'off'}), speculative "

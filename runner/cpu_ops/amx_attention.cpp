@@ -13,7 +13,9 @@
 //                            block_tables [B, max_blocks], seq_lens [B], q_starts [B],
 //                            q_lens [B], scale)
 // Request b's queries are rows q_starts[b] .. + q_lens[b] of q (positions seq_lens[b] -
-// q_lens[b] ..); their outputs are written to the same rows of out. bf16, D a multiple of 32.
+// q_lens[b] ..); their outputs are written to the same rows of out. bf16, D a multiple of 32;
+// the cache bf16, or int8 (kv_rows.h: each row widened times its scale and rounded to bf16
+// as it is packed, so the tiles never see the difference).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "kv_rows.h"
 #include "prefill_args.h"
 #include "vec.h"
 #include "work_runs.h"
@@ -38,21 +41,36 @@ constexpr int64_t kTile = 512;  // bf16 elements in one 16 x 64-byte tile
 
 #if HEADRACE_AMX
 
+// A cache row as bf16 bits: a bf16 row as it is; an int8 row widened times its scale and
+// rounded into `buf`.
+inline const uint16_t* bf16_row(const uint16_t* row, int64_t, uint16_t*) { return row; }
+inline const uint16_t* bf16_row(const int8_t* row, int64_t dim, uint16_t* buf) {
+  using headrace::Vec;
+  const Vec s = Vec::set1(headrace::kv_row_scale(row, dim));
+  for (int64_t c = 0; c < dim; c += Vec::N)
+    (Vec::load(row + c) * s).store(reinterpret_cast<c10::BFloat16*>(buf) + c);
+  return buf;
+}
+
 // Keys and values of one request and KV head in B-tile order, `chunks` chunks of 32 keys
 // (zero past the request's keys):
 //   keys   [chunks * 2 groups of 16 keys][D / 32][16 pairs of dims][16 keys][2]
 //   values [chunks][D / 16][16 pairs of keys][16 dims][2]
-void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-          int64_t n_keys, int64_t chunks, int64_t kvh, int64_t kv_heads, int64_t block_size,
-          int64_t dim, uint16_t* keys, uint16_t* values) {
-  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+// C: the cache's element, uint16_t (bf16 bits) or int8_t.
+template <typename C>
+void pack(const C* k_cache, const C* v_cache, const int64_t* table, int64_t n_keys,
+          int64_t chunks, int64_t kvh, int64_t kv_heads, int64_t block_size, int64_t dim,
+          uint16_t* keys, uint16_t* values) {
+  const int64_t width = headrace::kv_row_width<C>(dim);
+  const int64_t token_stride = kv_heads * width, block_stride = block_size * token_stride;
+  alignas(64) uint16_t k_buf[256], v_buf[256];
   std::memset(keys, 0, chunks * kChunk * dim * sizeof(uint16_t));
   std::memset(values, 0, chunks * kChunk * dim * sizeof(uint16_t));
   for (int64_t t = 0; t < n_keys; ++t) {
     const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                           kvh * dim;
-    const uint16_t* k = k_cache + offset;
-    const uint16_t* v = v_cache + offset;
+                           kvh * width;
+    const uint16_t* k = bf16_row(k_cache + offset, dim, k_buf);
+    const uint16_t* v = bf16_row(v_cache + offset, dim, v_buf);
     const int64_t group = t / 16, n = t % 16;
     for (int64_t s = 0; s < dim / 32; ++s) {
       uint16_t* tile = keys + (group * (dim / 32) + s) * kTile + n * 2;
@@ -287,9 +305,9 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   TORCH_CHECK(headrace::amx_usable(), "paged_prefill_attention_: no usable AMX here");
   const headrace::PrefillArgs args =
       headrace::check_prefill_args(out, q, kv_cache, block_tables, seq_lens, q_starts, q_lens);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention_: bf16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  headrace::kv_cache_serves(kv_cache.scalar_type(), at::kBFloat16),
+              "paged_prefill_attention_: bf16 q and out, a bf16 or int8 cache");
   const int64_t heads = args.heads, dim = args.dim, kv_heads = args.kv_heads;
   const int64_t block_size = args.block_size, batch = args.batch, max_blocks = args.max_blocks;
   TORCH_CHECK(dim % 32 == 0 && dim <= 256, "paged_prefill_attention_: head dim 32k <= 256");
@@ -302,8 +320,6 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
     tile_offset[b + 1] = tile_offset[b] + (counts[b] + kRows - 1) / kRows * kv_heads;
   }
 #if HEADRACE_AMX
-  const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
-  const uint16_t* v_cache = k_cache + kv_cache.stride(0);
   // Uninitialised and reused across calls (one per layer and step): `pack` clears what it
   // uses, and a fresh multi-MB vector cost a zero fill plus page faults every layer.
   thread_local std::vector<uint16_t> keys_buf, values_buf;
@@ -324,8 +340,15 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
       const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
       const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
-      pack(k_cache, v_cache, tables + b * max_blocks, lens[b], chunks, kvh, kv_heads, block_size,
-           dim, keys + at, values + at);
+      const int64_t half = kv_cache.stride(0);
+      const auto pack_from = [&](const auto* k_cache) {
+        pack(k_cache, k_cache + half, tables + b * max_blocks, lens[b], chunks, kvh, kv_heads,
+             block_size, dim, keys + at, values + at);
+      };
+      if (kv_cache.scalar_type() == at::kChar)
+        pack_from(kv_cache.data_ptr<int8_t>());
+      else
+        pack_from(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()));
     }
   });
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());

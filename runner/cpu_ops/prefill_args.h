@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kv_rows.h"
+
 namespace headrace {
 
 /** The checked shapes and the int64 per-request arrays of a prompt-attention call. */
@@ -16,7 +18,7 @@ struct PrefillArgs {
 };
 
 // out and q [T, H, D] (q may be a view into the fused QKV output: rows apart, heads and dims
-// contiguous), kv_cache [2, N, S, KVH, D]; per request a block table, a length, the first
+// contiguous), kv_cache [2, N, S, KVH, D] (D + 4 in int8, kv_rows.h); per request a block table, a length, the first
 // query row and the query count, all contiguous int64.
 inline PrefillArgs check_prefill_args(const at::Tensor& out, const at::Tensor& q,
                                       const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -30,7 +32,8 @@ inline PrefillArgs check_prefill_args(const at::Tensor& out, const at::Tensor& q
   PrefillArgs a{};
   a.tokens = q.size(0), a.heads = q.size(1), a.dim = q.size(2);
   a.num_blocks = kv_cache.size(1), a.block_size = kv_cache.size(2), a.kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == a.dim && a.heads % a.kv_heads == 0, "head shapes do not match");
+  checked_kv_row_width(kv_cache, a.dim);
+  TORCH_CHECK(a.heads % a.kv_heads == 0, "head shapes do not match");
   for (const auto* t : {&block_tables, &seq_lens, &q_starts, &q_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "tables, lengths and starts: contiguous int64");

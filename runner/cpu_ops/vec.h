@@ -13,6 +13,7 @@
 namespace headrace {
 
 inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }
 inline float widen(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;

@@ -21,7 +21,8 @@
 //                                q_lens [B], scale)
 // The semantics of paged_prefill_attention_ (amx_attention.cpp): request b's queries are rows
 // q_starts[b] .. + q_lens[b] of q, at positions seq_lens[b] - q_lens[b] ..; their outputs go
-// to the same rows of out. fp32 or bf16 (q, cache and out alike), D 64 or 128.
+// to the same rows of out. fp32 or bf16 (q, cache and out alike; or an int8 cache, kv_rows.h,
+// whose rows are widened times their scales), D 64 or 128.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +34,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_rows.h"
 #include "prefill_args.h"
 #include "vec.h"
 
@@ -67,13 +69,18 @@ constexpr int kScoreVecs = 3, kScoreKeys = 4, kAccRegs = 8, kMaxCols = 4;  // 16
 // dst [keys][D] fp32: the cached rows of positions c0 .. c0 + n widened (found through the
 // block table), zero past them up to a whole score block (their scores are never read, but
 // a stale row may hold NaN).
-template <int D, typename T>
-void widen_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t block_stride,
+template <int D, typename C>
+void widen_rows(const C* cache, const int64_t* table, int64_t block_size, int64_t block_stride,
                 int64_t token_stride, int64_t c0, int64_t n, int64_t keys, float* dst) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = c0 + t;
-    const T* src = cache + table[pos / block_size] * block_stride + pos % block_size * token_stride;
-    for (int64_t c = 0; c < D; c += N) Vec::load(src + c).store(dst + t * D + c);
+    const C* src = cache + table[pos / block_size] * block_stride + pos % block_size * token_stride;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const Vec s = Vec::set1(kv_row_scale(src, D));
+      for (int64_t c = 0; c < D; c += N) (Vec::load(src + c) * s).store(dst + t * D + c);
+    } else {
+      for (int64_t c = 0; c < D; c += N) Vec::load(src + c).store(dst + t * D + c);
+    }
   }
   std::fill(dst + n * D, dst + keys * D, 0.0f);
 }
@@ -153,8 +160,8 @@ struct Tile {
   int64_t group, positions, first_pos;
 };
 
-template <int D, typename T>
-void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
+template <int D, typename T, typename C>
+void tile_attention(const Tile<T>& tile, const C* k_cache, const C* v_cache,
                     const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t kvh,
                     float scale) {
   const int64_t valid = tile.positions * tile.group;
@@ -171,13 +178,14 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
   std::fill(m, m + rows, kNoMax);
   std::fill(lsum, lsum + rows, 0.0f);
   std::fill(acc, acc + rows * D, 0.0f);
-  const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
+  constexpr int64_t W = kv_row_width<C>(D);
+  const int64_t token_stride = kv_heads * W, block_stride = block_size * token_stride;
   const int64_t last = tile.first_pos + tile.positions - 1;  // the tile's last key
   for (int64_t c0 = 0; c0 <= last;) {
     const int64_t n = std::min(kKeys, last + 1 - c0);
     const int64_t keys = (n + kScoreKeys - 1) / kScoreKeys * kScoreKeys;  // scored
-    const auto gather = [&](const T* cache, float* dst) {
-      widen_rows<D>(cache + kvh * D, table, block_size, block_stride, token_stride, c0, n, keys,
+    const auto gather = [&](const C* cache, float* dst) {
+      widen_rows<D>(cache + kvh * W, table, block_size, block_stride, token_stride, c0, n, keys,
                     dst);
     };
     gather(k_cache, k);
@@ -219,7 +227,8 @@ void tile_attention(const Tile<T>& tile, const T* k_cache, const T* v_cache,
 }
 #endif  // HEADRACE_VEC
 
-template <int D, typename T>
+// T: q's and out's dtype; C: the cache's (T, or int8).
+template <int D, typename T, typename C>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* tables,
          int64_t max_blocks, const int64_t* lens, const int64_t* starts, const int64_t* counts,
          int64_t batch, float scale) {
@@ -232,8 +241,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   std::vector<int64_t> unit_offset(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b)
     unit_offset[b + 1] = unit_offset[b] + (counts[b] + positions - 1) / positions * kv_heads;
-  const T* k_cache = kv_cache.data_ptr<T>();
-  const T* v_cache = k_cache + kv_cache.stride(0);
+  const C* k_cache = kv_cache.data_ptr<C>();
+  const C* v_cache = k_cache + kv_cache.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), out_stride = heads * D;
@@ -270,8 +279,8 @@ void paged_prefill_attention_vec_(at::Tensor& out, const at::Tensor& q,
       check_prefill_args(out, q, kv_cache, block_tables, seq_lens, q_starts, q_lens);
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "paged_prefill_attention_vec_: q, out and kv_cache all fp32 or all bf16");
+                  kv_cache_serves(kv_cache.scalar_type(), dtype) && out.scalar_type() == dtype,
+              "paged_prefill_attention_vec_: q and out fp32 or bf16, kv_cache the same or int8");
   TORCH_CHECK(a.dim == 64 || a.dim == 128, "paged_prefill_attention_vec_: head dim 64 or 128");
   TORCH_CHECK(a.heads / a.kv_heads <= kMaxRows, "paged_prefill_attention_vec_: at most ",
               kMaxRows, " query heads per KV head");
@@ -279,10 +288,16 @@ void paged_prefill_attention_vec_(at::Tensor& out, const at::Tensor& q,
   const auto go = [&](auto kernel) {
     kernel(out, q, kv_cache, a.tables, a.max_blocks, a.lens, a.starts, a.counts, a.batch, s);
   };
-  if (dtype == at::kFloat)
-    go(a.dim == 64 ? run<64, float> : run<128, float>);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  using BF = c10::BFloat16;
+  if (dtype == at::kFloat && int8)
+    go(a.dim == 64 ? run<64, float, int8_t> : run<128, float, int8_t>);
+  else if (dtype == at::kFloat)
+    go(a.dim == 64 ? run<64, float, float> : run<128, float, float>);
+  else if (int8)
+    go(a.dim == 64 ? run<64, BF, int8_t> : run<128, BF, int8_t>);
   else
-    go(a.dim == 64 ? run<64, c10::BFloat16> : run<128, c10::BFloat16>);
+    go(a.dim == 64 ? run<64, BF, BF> : run<128, BF, BF>);
 }
 
 }  // namespace

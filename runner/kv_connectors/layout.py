@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from kvcache.connectors import KVLayout
+from runner import kv_format
 from runner.model_config import ModelConfig
 
 # Elements of each tensor that go into the weights' fingerprint.
@@ -33,11 +34,13 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def model_layout(
     model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, block_size: int
 ) -> KVLayout:
+    """The layout of a cache of `dtype` rows (the model's, or int8, whose rows carry their
+    scale: `head_dim` is then the stored row's width, so a block's bytes follow from it)."""
     return KVLayout(
         model=f"{cfg.architecture}:{weights_fingerprint(model)}",
         dtype=str(dtype).removeprefix("torch."),
         block_size=block_size,
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
+        head_dim=kv_format.row_width(cfg.head_dim, dtype),
     )

@@ -64,19 +64,22 @@ class CacheSpec:
     small_rows: int
     min_rows: int | None
     deterministic: bool
+    # Rows stored as int8 (--kv-cache-dtype int8), else in the model's dtype.
+    kv_int8: bool = False
 
     def encode(self, backends: tuple[str, ...]) -> np.ndarray:
         min_rows = -1 if self.min_rows is None else self.min_rows
         fields = [CACHE, self.num_blocks, self.block_size, backends.index(self.backend)]
-        return np.array([*fields, self.small_rows, min_rows, int(self.deterministic)], np.int32)
+        flags = [int(self.deterministic), int(self.kv_int8)]
+        return np.array([*fields, self.small_rows, min_rows, *flags], np.int32)
 
     @classmethod
     def decode(cls, words: np.ndarray, backends: tuple[str, ...]) -> CacheSpec:
-        kind, blocks, size, backend, small, min_rows, det = (int(x) for x in words[:7])
+        kind, blocks, size, backend, small, min_rows, det, int8 = (int(x) for x in words[:8])
         if kind != CACHE:
             raise ValueError(f"not a cache message (kind {kind})")
         return cls(blocks, size, backends[backend], small, None if min_rows < 0 else min_rows,
-                   bool(det))  # fmt: skip
+                   bool(det), bool(int8))  # fmt: skip
 
 
 def stop_message() -> np.ndarray:

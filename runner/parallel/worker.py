@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from runner import kv_format
 from runner.attention_backends import BACKENDS, select_attention_backend
 from runner.device_queue import to_device
 from runner.heap import trim_heap
@@ -60,10 +61,11 @@ class ShardRunner:
     def __init__(self, model: Any, cache: CacheSpec, device: torch.device, dtype: torch.dtype):
         local = model.local_config
         self.model, self.device, self.block_size = model, device, cache.block_size
-        shape = (2, cache.num_blocks, cache.block_size, local.num_key_value_heads, local.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(local.num_hidden_layers)
-        ]
+        self.kv_caches = kv_format.allocate(
+            local.num_hidden_layers, cache.num_blocks, cache.block_size,
+            local.num_key_value_heads, local.head_dim,
+            torch.int8 if cache.kv_int8 else dtype, device,
+        )  # fmt: skip
         self.backend = select_attention_backend(device, local.num_key_value_heads, cache.backend)
         model.set_attention_backend(self.backend)
         if cache.deterministic:

@@ -1,0 +1,106 @@
+"""The int8 KV cache (--kv-cache-dtype int8) through the engine: sizing, quality, refusals."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_fixtures import engine_for
+
+from daemon.engine.setup import describe
+from runner.model_runner import ModelRunner, kv_bytes_per_block
+from scheduling import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def test_int8_rows_hold_more_blocks_in_the_same_memory_and_all_come_back(tiny):
+    cfg = tiny.config
+    budget = 48 * kv_bytes_per_block(cfg, 4, torch.float32)
+    assert engine_for(tiny, block_size=4, kv_cache_memory=budget).kv.num_blocks == 48
+    int8 = engine_for(tiny, block_size=4, kv_cache_memory=budget, kv_cache_dtype="int8")
+    # A row: head_dim fp32 values against head_dim int8 values and a 4-byte scale.
+    assert int8.kv.num_blocks == budget // kv_bytes_per_block(cfg, 4, torch.int8)
+    assert int8.kv.num_blocks >= 48 * 4 * cfg.head_dim // (cfg.head_dim + 4) - 1
+    cache = int8.runner.kv_caches[0]
+    assert cache.dtype == torch.int8 and cache.shape[-1] == cfg.head_dim + 4
+    assert "(int8 rows)" in describe(int8)
+
+
+def test_int8_rows_under_chunks_prefix_hits_and_preemption_free_every_block(tiny):
+    per_block = kv_bytes_per_block(tiny.config, 4, torch.int8)
+    engine = engine_for(tiny, block_size=4, kv_cache_memory=30 * per_block,
+                        kv_cache_dtype="int8", max_num_batched_tokens=24,
+                        long_prefill_token_threshold=7)  # fmt: skip
+    shared = list(range(5, 29))
+    prompts = [shared + [40 + i] * (3 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert all(len(c.token_ids) == 12 for c in outs)
+    assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_hit_rate > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    engine.kv.check_integrity()
+
+
+def _english_ids(tokenizer, n: int) -> list[int]:
+    """Real English that ships with an installed package: numpy's licence texts."""
+    dist = importlib.metadata.distribution("numpy")
+    text = next(
+        Path(str(dist.locate_file(f))).read_text()
+        for f in dist.files or []
+        if str(f).endswith("licenses/LICENSE.txt")
+    )
+    return tokenizer.encode(text)[:n]
+
+
+def _teacher_forced(loaded, ids: list[int], kv_dtype: torch.dtype, backend: str):
+    """(perplexity, logits) over `ids`, in chunks of 256 tokens that each read every earlier
+    token through a paged cache of `kv_dtype` rows."""
+    block = 16
+    blocks = -(-len(ids) // block)
+    runner = ModelRunner(loaded.model, loaded.config, blocks, block, CPU, kv_dtype, backend)
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), 256):
+            piece = ids[start : start + 256]
+            meta = runner.attn_backend.build_metadata(
+                [start], [len(piece)], [list(range(blocks))], block, CPU
+            )
+            positions = torch.arange(start, start + len(piece))
+            hidden = loaded.model(torch.tensor(piece), positions, runner.kv_caches, meta)
+            logits.append(loaded.model.compute_logits(hidden).float())
+    out = torch.cat(logits)[:-1]
+    nll = F.cross_entropy(out, torch.tensor(ids[1:]), reduction="mean").item()
+    return math.exp(nll), out
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_smollm_on_int8_rows_keeps_its_perplexity_and_its_choices(smollm, backend):
+    # The embedded model, fp32, 768 tokens of real English: int8 rows against fp32 rows.
+    # (benchmarks/quality_int8.py measures 4,096 tokens: -0.02% on fp32, +0.17 points on
+    # the served bf16 path.)
+    ids = _english_ids(smollm.tokenizer, 768)
+    before = smollm.model.layers[0].self_attn.backend  # the shared model's, put back after
+    try:
+        exact_ppl, exact = _teacher_forced(smollm, ids, torch.float32, backend)
+        int8_ppl, int8 = _teacher_forced(smollm, ids, torch.int8, backend)
+    finally:
+        smollm.model.set_attention_backend(before)
+    assert abs(int8_ppl / exact_ppl - 1) < 0.005, (int8_ppl, exact_ppl)
+    same = (int8.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert same > 0.97, same
+
+
+def test_the_triton_kernels_refuse_int8_rows_by_name(tiny, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton on the CPU: its interpreter
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8' is read by the CPU kernels"):
+        ModelRunner(tiny.model, tiny.config, 8, 16, CPU, torch.int8, "triton")
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_name(tiny):
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' is not one of auto, int8"):
+        engine_for(tiny, kv_cache_dtype="fp8")
