@@ -9,8 +9,8 @@ dequantize_rows(rows [..., D + 4], dtype) -> [..., D]       what the reference r
 ```
 `auto` stores rows in the model's dtype. `int8` stores each row as D int8 values followed by
 their fp32 scale in the row's last four bytes (runner/cpu_ops/kv_rows.h is the C++ side):
-scale = absmax / 127, value = round(x / scale). A row of keys or values is one token and
-head, so the scale follows that token's own range, as llama.cpp's q8_0 cache does per 32
+scale = absmax / 127, value = round(x * (127 / absmax)). A row of keys or values is one token
+and head, so the scale follows that token's own range, as llama.cpp's q8_0 cache does per 32
 values; the error is at most scale / 2 per value. Keeping the scale inside its row keeps the
 cache one tensor and a block one copy, so prefix caching, the block tables and the KV
 connectors need nothing new (the connectors' layout names the dtype, so engines of
@@ -58,13 +58,16 @@ def allocate(
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] fp32/bf16 -> [..., D + 4] int8 rows: the values, then the scale's bytes.
 
-    The formula of kv_write.cpp's quantize_row, bit for bit: a division by the scale (not a
-    multiply by its inverse) and rounding to nearest even; an all-zero row gets scale 0.
+    The formula of kv_write.cpp's quantize_row, bit for bit: a multiply by 127 / absmax and
+    rounding to nearest even; an all-zero row gets scale 0.
     """
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / 127
-    values = torch.where(scale > 0, xf / scale, 0.0).round().to(torch.int8)
-    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+    absmax = xf.abs().amax(-1, keepdim=True)
+    # A tensor over a tensor: `127 / absmax` multiplies by absmax's reciprocal, a different
+    # last bit from the kernel's division.
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
+    values = (xf * inv).round().to(torch.int8)
+    return torch.cat([values, (absmax / 127).view(torch.int8)], dim=-1)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,20 +21,34 @@
 
 namespace {
 
-// One row into the int8 cache: scale = absmax / 127, values round(x / scale) (to nearest
-// even), an all-zero row scale 0. Division, not a multiply by 127 / absmax: the reference
-// divides, and the two differ in the last bit.
+// One row into the int8 cache: scale = absmax / 127, values round(x * (127 / absmax)) to
+// nearest even (act_quant.h's formula), an all-zero row all zeros. In vectors where the row
+// is whole vectors: a value at a time, a 1,000-token prompt's rows took 0.2 ms a layer.
 template <typename T>
 void quantize_row(const T* src, int64_t dim, int8_t* dst) {
+  using headrace::widen;
   float absmax = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(headrace::widen(src[d])));
-  const float scale = absmax / 127.0f;
-  if (scale > 0.0f) {
-    for (int64_t d = 0; d < dim; ++d)
-      dst[d] = static_cast<int8_t>(std::nearbyint(headrace::widen(src[d]) / scale));
-  } else {
-    std::fill(dst, dst + dim, int8_t{0});
+#if HEADRACE_VEC
+  using headrace::Vec;
+  const bool vectors = dim % Vec::N == 0;
+  if (vectors) {
+    Vec m = Vec::set1(0.0f);
+    for (int64_t d = 0; d < dim; d += Vec::N) m = Vec::max(m, Vec::load(src + d).abs());
+    absmax = m.max();
   }
+#else
+  const bool vectors = false;
+#endif
+  if (!vectors)
+    for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(widen(src[d])));
+  const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f, scale = absmax / 127.0f;
+#if HEADRACE_VEC
+  if (vectors)
+    for (int64_t d = 0; d < dim; d += Vec::N) (Vec::load(src + d) * Vec::set1(inv)).store(dst + d);
+#endif
+  if (!vectors)
+    for (int64_t d = 0; d < dim; ++d)
+      dst[d] = static_cast<int8_t>(std::nearbyint(widen(src[d]) * inv));
   std::memcpy(dst + dim, &scale, sizeof(scale));
 }
 

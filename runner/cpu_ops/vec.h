@@ -94,6 +94,11 @@ struct Vec {
   }
   template <typename T>
   void store(T* p) const { store16(p, v); }
+  // Rounded to nearest even and narrowed to int8 (the values must fit).
+  void store(int8_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+  Vec abs() const { return {_mm512_abs_ps(v)}; }
   // The value a store to T then a load would give: where the eager formulas round.
   template <typename T>
   Vec rounded(const T* tag) const { return {round_to(v, tag)}; }
@@ -158,6 +163,13 @@ struct Vec {
   void store(c10::BFloat16* p) const {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16());
   }
+  // Rounded to nearest even and narrowed to int8 (the values must fit).
+  void store(int8_t* p) const {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  Vec abs() const { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)}; }
   Vec rounded(const float*) const { return *this; }
   Vec rounded(const c10::BFloat16*) const {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16()), 16))};
