@@ -1,13 +1,15 @@
 """How the paged KV cache stores a row: one token's keys (or values) for one KV head.
 
 ```
-cache_dtype(setting, model_dtype) -> torch.dtype          --kv-cache-dtype: auto or int8
+cache_dtype(setting, model_dtype, int8_auto) -> dtype     --kv-cache-dtype: auto, model, int8
 row_width(head_dim, cache_dtype) -> int                     elements a row takes
 allocate(layers, num_blocks, block_size, kv_heads, head_dim, cache_dtype, device)
 quantize_rows(x [..., D]) -> [..., D + 4] int8              what the KV write stores
 dequantize_rows(rows [..., D + 4], dtype) -> [..., D]       what the reference reads
 ```
-`auto` stores rows in the model's dtype. `int8` stores each row as D int8 values followed by
+`model` stores rows in the model's dtype; `auto` does too, except where the platform chose
+int8 rows (runner/platform.py: a quantised checkpoint served under quantization auto on the
+CPU kernels). `int8` stores each row as D int8 values followed by
 their fp32 scale in the row's last four bytes (runner/cpu_ops/kv_rows.h is the C++ side):
 scale = absmax / 127, value = round(x * (127 / absmax)). A row of keys or values is one token
 and head, so the scale follows that token's own range, as llama.cpp's q8_0 cache does per 32
@@ -25,15 +27,17 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "model", "int8")
 SCALE_BYTES = 4
 
 
-def cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensor's dtype for `--kv-cache-dtype`: the model's, or int8."""
+def cache_dtype(setting: str, model_dtype: torch.dtype, int8_auto: bool = False) -> torch.dtype:
+    """The cache tensor's dtype for `--kv-cache-dtype`: the model's, or int8 (`auto`: int8
+    where the platform chose it, `int8_auto`)."""
     if setting not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {setting!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    return torch.int8 if setting == "int8" else model_dtype
+    int8 = setting == "int8" or (setting == "auto" and int8_auto)
+    return torch.int8 if int8 else model_dtype
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:

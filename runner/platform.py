@@ -28,6 +28,11 @@ machine's figures):
 - batched int8 (the same conditions, no AMX): every linear also keeps a copy for the batched
   kernel (runner/layers/batched_int8.py); runner/batched_rows.py measures which kernel wins
   here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
+- int8 KV rows (`--kv-cache-dtype auto`; quantised checkpoint, quantization auto, not
+  --deterministic, the CPU kernels built, which read the rows in place): each cached row
+  as int8 values and its scale (runner/kv_format.py). On SmolLM2 they moved perplexity by
+  -0.02% on the fp32 path and +0.17 points on the served bf16 path (benchmarks/
+  quality_int8.py), where the Q4 weights themselves cost more.
 """
 
 from __future__ import annotations
@@ -163,6 +168,8 @@ class Platform:
     features: CpuFeatures | None = None
     # --deterministic: no small-batch copies, linear calls padded to `min_rows` (measured).
     deterministic: bool = False
+    # `--kv-cache-dtype auto` stores int8 rows (runner/kv_format.py) rather than `dtype`'s.
+    int8_kv: bool = False
     min_rows: int | None = None
     # Why each choice was made, for the start-up log.
     reasons: list[str] = field(default_factory=list)
@@ -357,6 +364,9 @@ def select_platform(
     if fmt == "int8" and feats.native_bf16 and onednn_bf16_available():
         float_format = "onednn"  # the layers int8 leaves float: bf16 weights where native
     small_layout, batched = (None, None) if fmt == "int8" else copies
+    int8_kv = auto and checkpoint_quantized and _cpu_kernels_built()
+    if int8_kv:
+        reasons.append("kv cache auto -> int8 rows (quantised checkpoint; kernels read them)")
     return Platform(
         device,
         chosen,
@@ -369,17 +379,20 @@ def select_platform(
         batched_int8=batched,
         features=feats,
         deterministic=deterministic,
+        int8_kv=int8_kv,
         reasons=reasons,
     )
 
 
-def _amx_kernels_usable(feats: CpuFeatures) -> bool:
-    """Whether this CPU has AMX and our kernels built with it and may use it."""
-    if not feats.amx_bf16:
-        return False
+def _cpu_kernels_built() -> bool:
     from runner.cpu_ops import load_cpu_ops
 
-    return load_cpu_ops() is None and bool(torch.ops.headrace.amx_usable())
+    return load_cpu_ops() is None
+
+
+def _amx_kernels_usable(feats: CpuFeatures) -> bool:
+    """Whether this CPU has AMX and our kernels built with it and may use it."""
+    return feats.amx_bf16 and _cpu_kernels_built() and bool(torch.ops.headrace.amx_usable())
 
 
 def _float_copies(
@@ -399,9 +412,7 @@ def _float_copies(
         or chosen not in (torch.float32, torch.bfloat16)
     ):
         return None, None
-    from runner.cpu_ops import load_cpu_ops
-
-    if load_cpu_ops() is not None:
+    if not _cpu_kernels_built():
         return None, None
     # AMX multiplies bf16 only: fp32 activations keep the GEMV (and their precision).
     if chosen == torch.bfloat16 and _amx_kernels_usable(feats):

@@ -67,7 +67,8 @@ class Engine:
         loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
         # The KV cache's rows: the model's dtype, or int8 (runner/kv_format.py).
-        self.kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, self.dtype)
+        int8_auto = loaded.platform is not None and loaded.platform.int8_kv
+        self.kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, self.dtype, int8_auto)
         self.tokenizer, self.model, self.model_config = (
             loaded.tokenizer,
             loaded.model,
