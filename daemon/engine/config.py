@@ -46,7 +46,7 @@ class EngineConfig:
         "attention reads half and the cache holds ~1.9x the tokens; the CPU kernels and the "
         "torch backend, not Triton), or auto (int8 on the CPU kernels for a quantised "
         "checkpoint under quantization auto, where the weights already cost more than the "
-        "rows' +0.2% perplexity; model elsewhere)",
+        "rows' cost of under 0.2 percent in perplexity; model elsewhere)",
     )
     attention_backend: str = opt(
         "auto",
