@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from attention_fixtures import scattered_tables
 
 from runner.attention_backends import (
     CpuKernelAttentionBackend,
@@ -29,23 +30,12 @@ def built() -> None:
     assert load_cpu_ops() is None, "the CPU kernels did not build"
 
 
-def _tables(lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    perm = torch.randperm(num_blocks).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(perm[used : used + need])
-        used += need
-    assert used <= num_blocks
-    return tables
-
-
 def _step(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=64):
     """One step (done, new) per request through both backends: (reference, kernel)."""
     torch.manual_seed(len(reqs) * 131 + heads)
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     done, new = [d for d, _ in reqs], [n for _, n in reqs]
-    tables = _tables([d + n for d, n in reqs], block_size, num_blocks)
+    tables = scattered_tables([d + n for d, n in reqs], block_size, num_blocks)
     q = torch.randn(sum(new), heads, head_dim).to(dtype)
     k = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
     v = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
@@ -150,7 +140,7 @@ def test_long_contexts_are_attended_in_splits_that_merge_exactly(head_dim, block
     torch.manual_seed(head_dim + block_size)
     lens = [1, 512, 513, 700, 1100, 2049]
     num_blocks = sum(-(-n // block_size) for n in lens) + 5
-    tables = _tables(lens, block_size, num_blocks)
+    tables = scattered_tables(lens, block_size, num_blocks)
     kv = torch.randn(2, num_blocks, block_size, 3, head_dim).to(dtype)
     q = torch.randn(len(lens), 9, head_dim).to(dtype)
     meta = TorchAttentionBackend().build_metadata(
@@ -175,7 +165,7 @@ def test_threads_share_the_keys_not_the_rows():
     torch.manual_seed(7)
     lens = [2100, 40, 3, 40, 1300, 17, 40, 40]
     num_blocks = sum(-(-n // 16) for n in lens) + 3
-    tables = _tables(lens, 16, num_blocks)
+    tables = scattered_tables(lens, 16, num_blocks)
     kv = torch.randn(2, num_blocks, 16, 3, 64).to(torch.bfloat16)
     q = torch.randn(len(lens), 9, 64).to(torch.bfloat16)
     meta = TorchAttentionBackend().build_metadata(

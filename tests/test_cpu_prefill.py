@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from attention_fixtures import scattered_tables
 from model_fixtures import engine_for, make_tiny_hf_model
 
 from daemon.engine.config import EngineConfig
@@ -31,23 +32,13 @@ def built() -> None:
     assert load_cpu_ops() is None, "the CPU kernels did not build"
 
 
-def _tables(lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    perm = torch.randperm(num_blocks).tolist()
-    tables, used = [], 0
-    for n in lens:
-        tables.append(perm[used : used + -(-n // block_size)])
-        used += len(tables[-1])
-    assert used <= num_blocks
-    return tables
-
-
 def _both(reqs, heads, kv_heads, head_dim, block_size, dtype, num_blocks=96):
     """(reference, kernel) outputs of one step of (cached, new) per request; the kernel
     takes the chunks and the reference the decode rows in both."""
     torch.manual_seed(len(reqs) * 7 + heads + head_dim)
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     done, new = [d for d, _ in reqs], [n for _, n in reqs]
-    tables = _tables([d + n for d, n in reqs], block_size, num_blocks)
+    tables = scattered_tables([d + n for d, n in reqs], block_size, num_blocks)
     # q as the model passes it: a view into a wider (fused QKV) output.
     qkv = torch.randn(sum(new), heads + 2 * kv_heads, head_dim).to(dtype)
     q = qkv[:, :heads]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_fixtures import scattered_tables
 
 from runner import kv_format
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
@@ -22,17 +23,6 @@ def built() -> None:
     assert load_cpu_ops() is None, "the CPU kernels did not build"
 
 
-def _tables(lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
-    perm = torch.randperm(num_blocks).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(perm[used : used + need])
-        used += need
-    assert used <= num_blocks
-    return tables
-
-
 def _int8_step(reqs, heads, kv_heads, head_dim, block_size, dtype, vec=False):
     """One step (done, new) per request on an int8 cache through both backends:
     (reference, kernel). `vec`: prompt chunks on the vector kernel, not AMX or SDPA."""
@@ -41,7 +31,7 @@ def _int8_step(reqs, heads, kv_heads, head_dim, block_size, dtype, vec=False):
     rows = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     cache0 = kv_format.quantize_rows(rows)
     done, new = [d for d, _ in reqs], [n for _, n in reqs]
-    tables = _tables([d + n for d, n in reqs], block_size, num_blocks)
+    tables = scattered_tables([d + n for d, n in reqs], block_size, num_blocks)
     q = torch.randn(sum(new), heads, head_dim).to(dtype)
     k = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
     v = torch.randn(sum(new), kv_heads, head_dim).to(dtype)
