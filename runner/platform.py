@@ -366,7 +366,9 @@ def select_platform(
     small_layout, batched = (None, None) if fmt == "int8" else copies
     int8_kv = auto and checkpoint_quantized and _cpu_kernels_built()
     if int8_kv:
-        reasons.append("kv cache dtype auto means int8 rows here (quantised checkpoint; kernels read them)")
+        reasons.append(
+            "kv cache dtype auto means int8 rows here (quantised checkpoint; kernels read them)"
+        )
     return Platform(
         device,
         chosen,

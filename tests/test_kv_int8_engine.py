@@ -120,7 +120,8 @@ def _platform(**kw: object):
 
 def test_auto_takes_int8_rows_only_for_a_quantised_checkpoint_served_fast():
     chosen = _platform()
-    assert chosen.int8_kv and any("kv cache dtype auto means int8 rows" in r for r in chosen.reasons)
+    assert chosen.int8_kv
+    assert any("kv cache dtype auto means int8 rows" in r for r in chosen.reasons)
     # The exact path, full-precision checkpoints and --deterministic keep the model's dtype.
     assert not _platform(quantization="none").int8_kv
     assert not _platform(checkpoint_quantized=False).int8_kv
