@@ -64,7 +64,7 @@ class CacheSpec:
     small_rows: int
     min_rows: int | None
     deterministic: bool
-    # Rows stored as int8 (--kv-cache-dtype int8), else in the model's dtype.
+    # int8 rows (runner/kv_format.py), else rows of the model's dtype.
     kv_int8: bool = False
 
     def encode(self, backends: tuple[str, ...]) -> np.ndarray:
