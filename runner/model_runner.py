@@ -101,11 +101,6 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             device, local.num_key_value_heads, attention_backend
         )
-        if kv_dtype == torch.int8 and self.attn_backend.name == "triton":
-            raise ValueError(
-                "kv_cache_dtype: 'int8' is read by the CPU kernels and the torch backend; the "
-                "Triton kernels read the model's dtype (on CUDA: --attention-backend torch)"
-            )
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.attn_backend)
         elif self.attn_backend.name != "torch":

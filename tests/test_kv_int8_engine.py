@@ -96,12 +96,6 @@ def test_smollm_on_int8_rows_keeps_its_perplexity_and_its_choices(smollm, backen
     assert same > 0.97, same
 
 
-def test_the_triton_kernels_refuse_int8_rows_by_name(tiny, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton on the CPU: its interpreter
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8' is read by the CPU kernels"):
-        ModelRunner(tiny.model, tiny.config, 8, 16, CPU, torch.int8, "triton")
-
-
 def test_an_unknown_kv_cache_dtype_is_refused_by_name(tiny):
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' is not one of auto, model, int8"):
         engine_for(tiny, kv_cache_dtype="fp8")

@@ -50,9 +50,12 @@ def _run_both(
     done, new = [d for d, _ in reqs], [n for _, n in reqs]
     t = sum(new)
     kv = kv.to(DEVICE)
-    q = torch.randn(t, heads, head_dim, dtype=kv.dtype, device=DEVICE)
-    k = torch.randn(t, kv_heads, head_dim, dtype=kv.dtype, device=DEVICE)
-    v = torch.randn(t, kv_heads, head_dim, dtype=kv.dtype, device=DEVICE)
+    # An int8 cache (runner/kv_format.py) takes fp32 rows of head_dim, 4 bytes fewer.
+    dtype = torch.float32 if kv.dtype == torch.int8 else kv.dtype
+    head_dim = head_dim - 4 if kv.dtype == torch.int8 else head_dim
+    q = torch.randn(t, heads, head_dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(t, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn(t, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     scale = head_dim**-0.5
     kv_ref, kv_tri = kv.clone(), kv.clone()
 
@@ -155,3 +158,20 @@ def test_bf16_matches_reference() -> None:
     out_ref, out_tri, kv_ref, kv_tri = _run_both(MIXED, tables, kv, 9)
     assert torch.equal(kv_tri, kv_ref)
     torch.testing.assert_close(out_tri.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_int8_rows_match_reference(splits: int) -> None:
+    """int8 rows (--kv-cache-dtype int8): the write quantises as the reference does (bit for
+    bit in the interpreter, whose division is IEEE like torch's), and both kernels read the
+    rows times their scales; a head of 24 (padded to 32) and one of 32."""
+    from runner import kv_format
+
+    for head_dim, heads, kv_heads in ((32, 9, 3), (24, 4, 2)):
+        torch.manual_seed(head_dim + splits)
+        kv = kv_format.quantize_rows(torch.randn(2, 13, 16, kv_heads, head_dim))
+        out_ref, out_tri, kv_ref, kv_tri = _run_both(MIXED, _tables(MIXED, 16, 13), kv, heads,
+                                                     splits)  # fmt: skip
+        if DEVICE.type == "cpu":
+            assert torch.equal(kv_tri, kv_ref)
+        torch.testing.assert_close(out_tri, out_ref, atol=TOL, rtol=TOL)

@@ -34,10 +34,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
 
 
 @needs_triton
-def test_engine_on_triton_backend_matches_torch_backend(tmp_path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
+def test_engine_on_triton_backend_matches_torch_backend(tmp_path, kv_cache_dtype) -> None:
     """Greedy output of a tiny Qwen3 (head_dim 24, GQA 4/2) with chunked prefill, a prefix-
     cache hit and mixed steps: identical through the Triton kernels (interpreted on CPU)
-    and the reference."""
+    and the reference, on rows of the model's dtype and on int8 rows."""
     make_tiny_hf_model("qwen3", tmp_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = LoadedModel.load(EngineConfig(model=str(tmp_path), device=device, dtype="float32"))
@@ -45,7 +46,8 @@ def test_engine_on_triton_backend_matches_torch_backend(tmp_path) -> None:
     shared = [rng.randrange(3, 320) for _ in range(20)]
     prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 1)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    cfg = dict(block_size=16, max_num_batched_tokens=16, kv_cache_memory=1 << 20)
+    cfg = dict(block_size=16, max_num_batched_tokens=16, kv_cache_memory=1 << 20,
+               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     reference = engine_for(loaded, attention_backend="torch", **cfg)
     expected = [c.token_ids for c in reference.generate(prompts, params)]
     engine = engine_for(loaded, attention_backend="triton", **cfg)

@@ -43,8 +43,8 @@ class EngineConfig:
         "auto",
         "how KV cache rows are stored: model (the model's dtype), int8 (each token's row per "
         "KV head as int8 values and one fp32 scale: about half of bf16's bytes, so decode "
-        "attention reads half and the cache holds ~1.9x the tokens; the CPU kernels and the "
-        "torch backend, not Triton), or auto (int8 on the CPU kernels for a quantised "
+        "attention reads half and the cache holds ~1.9x the tokens), or auto (int8 on the CPU "
+        "kernels for a quantised "
         "checkpoint under quantization auto, where the weights already cost more than the "
         "rows' cost of under 0.2 percent in perplexity; model elsewhere)",
     )

@@ -1,8 +1,9 @@
 """Write each new token's K and V into the paged cache at its slot.
 
-Cache of one layer: `[2, num_blocks, block_size, kv_heads, head_dim]`; slot s lives in
-block s // block_size at offset s % block_size. One program per token copies all its KV
-heads at once; a slot of -1 (a padding row of a CUDA graph) is skipped.
+Cache of one layer: `[2, num_blocks, block_size, kv_heads, head_dim]` (int8 rows of
+head_dim + 4: quantised on the way, runner/triton_ops/kv_rows.py); slot s lives in block
+s // block_size at offset s % block_size. One program per token copies all its KV heads at
+once; a slot of -1 (a padding row of a CUDA graph) is skipped.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from runner.triton_ops.kv_rows import store_int8_rows
 
 
 @triton.jit
@@ -31,6 +34,7 @@ def _write_kv_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -41,14 +45,14 @@ def _write_kv_kernel(
     mask = live[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    dst = (
-        (slot // BLOCK_SIZE) * stride_cb
-        + (slot % BLOCK_SIZE) * stride_cs
-        + offs_h[:, None] * stride_ch
-        + offs_d[None, :]
-    )
-    tl.store(kv_ptr + dst, k, mask=mask)
-    tl.store(kv_ptr + stride_c + dst, v, mask=mask)
+    base = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + offs_h * stride_ch
+    if KV_INT8:
+        store_int8_rows(kv_ptr, base, k, offs_d, mask, live, HEAD_DIM)
+        store_int8_rows(kv_ptr + stride_c, base, v, offs_d, mask, live, HEAD_DIM)
+    else:
+        dst = base[:, None] + offs_d[None, :]
+        tl.store(kv_ptr + dst, k, mask=mask)
+        tl.store(kv_ptr + stride_c + dst, v, mask=mask)
 
 
 def write_kv(
@@ -78,4 +82,5 @@ def write_kv(
         H_PAD=triton.next_power_of_2(kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
+        KV_INT8=kv_cache.dtype == torch.int8,
     )

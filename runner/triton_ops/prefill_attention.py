@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.triton_ops.kv_rows import load_rows
 from runner.triton_ops.metadata import TritonAttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -50,6 +51,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,10 +88,8 @@ def _prefill_kernel(
         n_mask = pos < end
         blk = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
         row = blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        # [N, D] in q's dtype (fp32 under DOT_FP32): int8 rows widened times their scales.
+        k = load_rows(kv_ptr, row, offs_d, n_mask, d_mask, HEAD_DIM, KV_INT8, q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2  # [M, N]
         # Key 0 is visible to every row, so no row is all -inf after the first tile.
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -98,9 +98,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptr + stride_c + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = load_rows(kv_ptr + stride_c, row, offs_d, n_mask, d_mask, HEAD_DIM, KV_INT8, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -155,4 +153,5 @@ def prefill_attention(
         # NOTE: the interpreter (CPU tensors) multiplies bf16 dot operands as raw bits:
         # there the products run in fp32. Compiled kernels keep bf16 tensor-core products.
         DOT_FP32=q.device.type != "cuda",
+        KV_INT8=kv_cache.dtype == torch.int8,
     )
