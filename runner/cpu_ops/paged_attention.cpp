@@ -334,7 +334,11 @@ void scores_int8(const T* q, float scale, const int8_t* k_cache, const int64_t* 
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
   const auto madd = [](IVec acc, IVec a, IVec b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
   };
   const auto to_vec = [](IVec v) { return Vec{_mm256_cvtepi32_ps(v)}; };
   const IVec zero = _mm256_setzero_si256();
