@@ -17,6 +17,10 @@ step_profile.py for the batch-1 step. The peers come from benchmarks/peers/setup
 vLLM runs in its fastest dtype here (`--vllm auto`): bf16 where the CPU has AVX512-BF16,
 fp32 where it does not. A figure is the median of the rounds' paired ratios; the table also
 gives each round's. Only ratios count: this machine's speed drifts over an hour.
+
+Beside each throughput ratio the table gives the peer's TPOT over headrace's (decode steps
+alone) and the requests each side failed: a peer that drops requests (llama-server dropped
+about one in eight at c=1 here) loses their tokens from its rate, which the ratio alone hides.
 """
 
 from __future__ import annotations
@@ -115,6 +119,19 @@ def round_ratios(sweep: dict, peer: str, level: int) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True) if y]
 
 
+def side_by_side(sweep: dict, peer: str, level: int) -> str:
+    """The peer's TPOT p50 over headrace's at `level` (the sweep's median round) and each
+    side's failed requests over all rounds, for the table; "-" where either is missing."""
+    series = sweep.get("series", {})
+    points = [next((p for p in series.get(name, []) if p["level"] == level), None)
+              for name in ("headrace", peer)]  # fmt: skip
+    if None in points:
+        return "- | -"
+    ours, theirs = points
+    tpot = f"{theirs['median_tpot_ms'] / ours['median_tpot_ms']:.2f}x"
+    return f"{tpot} | {ours.get('failed', 0)} / {theirs.get('failed', 0)}"
+
+
 def step_roofline(args: argparse.Namespace) -> float | None:
     """step_profile.py's batch-1 step as a fraction of its memory roofline."""
     dtype = re.search(r"--dtype[ =](\S+)", args.headrace_args)
@@ -144,7 +161,7 @@ def main() -> int:
                        stdout=f)  # fmt: skip
     wanted = set(filter(None, args.only.split(",")))
     vllm = vllm_peer(args.vllm)
-    rows: list[tuple[str, str, float, list[float]]] = []
+    rows: list[tuple[str, str, float, list[float], str]] = []
     sweeps: dict[tuple[str, tuple[str, ...]], dict] = {}
     for check in checks(chat_file):
         if wanted and check.name not in wanted:
@@ -154,21 +171,24 @@ def main() -> int:
         if key not in sweeps:  # c=1, 8 and 32 against vLLM are one sweep
             sweeps[key] = run_sweep(peer, check.sweep, args, out / f"{check.name}-{peer}")
         rows.append((check.name, f">= {check.goal}x {peer}", check.goal,
-                     round_ratios(sweeps[key], peer, check.level)))  # fmt: skip
+                     round_ratios(sweeps[key], peer, check.level),
+                     side_by_side(sweeps[key], peer, check.level)))  # fmt: skip
     if not wanted or "bs1_roofline" in wanted:
         frac = step_roofline(args)
-        rows.append(("bs1_roofline", ">= 50% of the roofline", 0.5, [frac] if frac else []))
-    print("\n| check | goal | by round | median | met |\n|---|---|---|---|---|")
+        rows.append(("bs1_roofline", ">= 50% of the roofline", 0.5, [frac] if frac else [],
+                     "- | -"))  # fmt: skip
+    print("\n| check | goal | by round | median | met | peer TPOT / ours | failed (ours / peer) |"
+          "\n|---|---|---|---|---|---|---|")  # fmt: skip
     figures, met = [], 0
-    for name, goal_text, goal, ratios in rows:
+    for name, goal_text, goal, ratios, beside in rows:
         if not ratios:
-            print(f"| {name} | {goal_text} | not measured (peer not set up?) | - | no |")
+            print(f"| {name} | {goal_text} | not measured (peer not set up?) | - | no | {beside} |")
             continue
         median = statistics.median(ratios)
         met += median >= goal
         by_round = ", ".join(f"{r:.2f}" for r in ratios)
         print(f"| {name} | {goal_text} | {by_round} | **{median:.2f}** | "
-              f"{'yes' if median >= goal else 'NO'} |")  # fmt: skip
+              f"{'yes' if median >= goal else 'NO'} | {beside} |")  # fmt: skip
         figures.append(f"{name}={median:.3f}")
     print(f"RESULT {' '.join(figures)} met={met}/{len(rows)} vllm={vllm}")
     return 0 if met == len(rows) else 1
