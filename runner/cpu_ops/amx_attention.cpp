@@ -335,22 +335,23 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   std::vector<int64_t> packed(batch * kv_heads + 1, 0);
   for (int64_t unit = 0; unit < batch * kv_heads; ++unit)
     packed[unit + 1] = packed[unit] + (lens[unit / kv_heads] + kChunk - 1) / kChunk + 1;
-  headrace::parallel_even_runs(packed, [&](int64_t first, int64_t last) {
-    for (int64_t unit = first; unit < last; ++unit) {
-      const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
-      const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
-      const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
-      const int64_t half = kv_cache.stride(0);
-      const auto pack_from = [&](const auto* k_cache) {
-        pack(k_cache, k_cache + half, tables + b * max_blocks, lens[b], chunks, kvh, kv_heads,
+  // The cache's element type picked once: bf16 bits or int8 rows (kv_rows.h).
+  const auto pack_all = [&](const auto* k_cache) {
+    const auto* v_cache = k_cache + kv_cache.stride(0);
+    headrace::parallel_even_runs(packed, [&](int64_t first, int64_t last) {
+      for (int64_t unit = first; unit < last; ++unit) {
+        const int64_t b = unit / kv_heads, kvh = unit % kv_heads;
+        const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
+        const int64_t at = pack_offset[b] + kvh * chunks * kChunk * dim;
+        pack(k_cache, v_cache, tables + b * max_blocks, lens[b], chunks, kvh, kv_heads,
              block_size, dim, keys + at, values + at);
-      };
-      if (kv_cache.scalar_type() == at::kChar)
-        pack_from(kv_cache.data_ptr<int8_t>());
-      else
-        pack_from(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()));
-    }
-  });
+      }
+    });
+  };
+  if (kv_cache.scalar_type() == at::kChar)
+    pack_all(kv_cache.data_ptr<int8_t>());
+  else
+    pack_all(reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()));
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t group = heads / kv_heads, q_stride = q.stride(0), row_stride = heads * dim;

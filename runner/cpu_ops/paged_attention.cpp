@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "act_quant.h"
 #include "kv_rows.h"
 #include "ops.h"
 #include "vec.h"
@@ -228,10 +229,10 @@ void score_keys(const T* k_cache, const int64_t* table, int64_t seq_len, int64_t
                     });
 }
 
-// score_keys with the keys widened to fp32 and the queries scaled first; an int8 key's dot
-// product is then multiplied by its row's scale.
-template <int D, typename T, typename C>
-void scores_widened(const T* q, float scale, const C* k_cache, const int64_t* table,
+// score_keys with the keys widened to fp32 and the queries scaled first (the int8 cache's
+// keys take scores_int8).
+template <int D, typename T>
+void scores_widened(const T* q, float scale, const T* k_cache, const int64_t* table,
                     int64_t seq_len, int64_t kvh, int64_t group, int64_t kv_heads,
                     int64_t block_size, float* scores, int64_t padded) {
   constexpr int NV = D / Vec::N;
@@ -240,7 +241,7 @@ void scores_widened(const T* q, float scale, const C* k_cache, const int64_t* ta
   for (int64_t j = 0; j < group; ++j)
     for (int i = 0; i < NV; ++i)
       (Vec::load(q + j * D + i * Vec::N) * Vec::set1(scale)).store(qs + j * D + i * Vec::N);
-  const auto dot4 = [&](int64_t j, const C* k, int64_t stride, float* out) {
+  const auto dot4 = [&](int64_t j, const T* k, int64_t stride, float* out) {
     const float* qj = qs + j * D;
     Vec acc[4];
     for (int r = 0; r < 4; ++r) acc[r] = Vec::load(qj) * Vec::load(k + r * stride);
@@ -250,15 +251,13 @@ void scores_widened(const T* q, float scale, const C* k_cache, const int64_t* ta
         acc[r] = Vec::fmadd(qv, Vec::load(k + r * stride + i * Vec::N), acc[r]);
     }
     Vec::sum4(acc, out);
-    if constexpr (std::is_same_v<C, int8_t>)
-      for (int r = 0; r < 4; ++r) out[r] *= kv_row_scale(k + r * stride, D);
   };
-  const auto dot1 = [&](int64_t j, const C* k) {
+  const auto dot1 = [&](int64_t j, const T* k) {
     const float* qj = qs + j * D;
     Vec acc = Vec::load(qj) * Vec::load(k);
     for (int i = 1; i < NV; ++i)
       acc = Vec::fmadd(Vec::load(qj + i * Vec::N), Vec::load(k + i * Vec::N), acc);
-    return acc.sum() * kv_row_scale(k, D);
+    return acc.sum();
   };
   score_keys<D>(k_cache, table, seq_len, kvh, group, kv_heads, block_size, scores, padded, dot4,
                 dot1);
@@ -345,16 +344,14 @@ void scores_int8(const T* q, float scale, const int8_t* k_cache, const int64_t* 
 #endif
   static_assert(D % kLanes == 0, "whole registers of a row");
   constexpr int NI = D / kLanes;
+  // Each head as one group of act_quant.h's int16 rounding (widened first: q may be bf16).
   std::vector<int16_t> q_int(group * D);
   std::vector<float> q_scale(group);
+  float row[D];
   for (int64_t j = 0; j < group; ++j) {
-    float m = 0.0f;
-    for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(widen(q[j * D + d])));
-    const float s = m / 32767.0f;
-    for (int64_t d = 0; d < D; ++d)
-      q_int[j * D + d] =
-          s > 0.0f ? static_cast<int16_t>(std::nearbyint(widen(q[j * D + d]) / s)) : 0;
-    q_scale[j] = s * scale;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(q[j * D + d]);
+    quantise_group_scalar<int16_t, 32767>(row, D, q_int.data() + j * D, &q_scale[j], nullptr);
+    q_scale[j] *= scale;
   }
   const auto dot4 = [&](int64_t j, const int8_t* k, int64_t stride, float* out) {
     const int16_t* qj = q_int.data() + j * D;

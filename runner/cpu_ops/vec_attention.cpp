@@ -75,12 +75,9 @@ void widen_rows(const C* cache, const int64_t* table, int64_t block_size, int64_
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = c0 + t;
     const C* src = cache + table[pos / block_size] * block_stride + pos % block_size * token_stride;
-    if constexpr (std::is_same_v<C, int8_t>) {
-      const Vec s = Vec::set1(kv_row_scale(src, D));
-      for (int64_t c = 0; c < D; c += N) (Vec::load(src + c) * s).store(dst + t * D + c);
-    } else {
-      for (int64_t c = 0; c < D; c += N) Vec::load(src + c).store(dst + t * D + c);
-    }
+    // kv_row_scale is a constant 1 for float rows: the multiply folds away.
+    const Vec s = Vec::set1(kv_row_scale(src, D));
+    for (int64_t c = 0; c < D; c += N) (Vec::load(src + c) * s).store(dst + t * D + c);
   }
   std::fill(dst + n * D, dst + keys * D, 0.0f);
 }
