@@ -4,6 +4,8 @@
                                        fp32+kv8 bf16+kv8 auto+kv8] [--ppl-tokens 4096]
 
 `+kv8` variants store the KV cache as int8 rows (--kv-cache-dtype int8, runner/kv_format.py).
+`auto@q4` is `auto` run as a few streams are: batches and perplexity chunks of `q4_rows` rows,
+so every token goes through the small copies' 4-bit blocks (runner/cpu_ops/q4_gemv.cpp).
 
 `auto` is what `headrace serve` picks on this CPU; where that includes the small-batch or
 batched int8 weights (runner/platform.py), its prompts run one batch of at most `small_rows`
@@ -52,6 +54,7 @@ VARIANTS = {
     "fp32+kv8": ("float32", "none", "int8"),
     "bf16+kv8": ("bfloat16", "none", "int8"),
     "auto+kv8": ("auto", "auto", "int8"),
+    "auto@q4": ("auto", "auto", "auto"),
 }
 DEFAULT_VARIANTS = ["fp32", "bf16", "int8", "bf16+int8", "auto"]
 
@@ -120,6 +123,10 @@ def main() -> None:
         rows = (
             max(loaded.platform.small_rows, loaded.platform.batched_rows) if loaded.platform else 0
         )
+        if name == "auto@q4":  # the rows a single stream's steps take: the 4-bit blocks'
+            rows = loaded.platform.q4_rows if loaded.platform else 0
+            if not rows:
+                raise SystemExit("auto@q4: this CPU's platform keeps no 4-bit blocks")
         if rows:
             config.max_num_seqs = rows
         engine = Engine(config, loaded)
@@ -143,7 +150,7 @@ def main() -> None:
             f"{same}/{len(ref)} prompts identical for {args.new_tokens} tokens; "
             f"perplexity {ppl[name]:.3f} vs {ppl['fp32']:.3f} ({dppl:+.2%})"
         )
-        key = name.replace("+", "_")
+        key = name.replace("+", "_").replace("@", "_")
         fields.append(f"{key}_ppl_delta={dppl:+.4f} {key}_agree={agree:.3f} {key}_same={same}")
     print(f"RESULT {' '.join(fields)} fp32_ppl={ppl['fp32']:.3f} prompts={len(ref)}")
 

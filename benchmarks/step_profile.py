@@ -33,6 +33,7 @@ from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.layers.linear import ONEDNN_DTYPES, Linear
+from runner.layers.q4_blocks import Q4_GEMV
 from runner.model_runner import ModelRunner
 from runner.models.fused_decode import FusedDecode
 from scheduling import SamplingParams
@@ -78,8 +79,11 @@ def instrumented() -> Iterator[None]:
 def weight_bytes(m: Linear, rows: int) -> int:
     """The bytes of weights `m` reads for a call of `rows` rows (the copy it takes then)."""
     kernel = m.kernel_for(max(rows, m.min_rows))  # padded calls read what larger ones do
-    if kernel == "small" and m._small is not None:
-        return m._small.weight.numel() + m._small.scale.numel() * 4
+    small = m.small_batch_copy
+    if kernel == "small" and small is not None:
+        if small.kernel_for(rows) == Q4_GEMV and small.q4 is not None:
+            return small.q4.packed.numel()
+        return small.weight.numel() + small.scale.numel() * 4
     if kernel == "batched" and m._batched is not None:
         return m._batched.packed.numel() + m._batched.scale.numel() * 8
     if kernel in ONEDNN_DTYPES:

@@ -25,6 +25,9 @@ machine's figures):
   bf16, as int8 rows for the GEMV elsewhere. `small_rows` is the largest of 1, 2, 4, ..., 64
   up to which a sweep over the loaded model's own linears (all of them, so the weights stream
   from memory as in a real step) is 10% faster with the copies at every step; 0 drops them.
+  Where a layer's weight is on a 4-bit grid (the GGUF's Q4_1 blocks), its copy also keeps
+  those blocks for the 4-bit GEMV (runner/cpu_ops/q4_gemv.cpp), used up to `q4_rows` rows:
+  the largest of 1, 2, 4, 8 at which the same kind of sweep is 5% faster on them.
 - batched int8 (the same conditions, no AMX): every linear also keeps a copy for the batched
   kernel (runner/layers/batched_int8.py); runner/batched_rows.py measures which kernel wins
   here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
@@ -47,10 +50,12 @@ from runner.format_timing import (
     AMX_GEMM_ROWS,
     amx_gemm_rows,
     int8_beats_float,
+    measure_q4_rows,
     measure_small_rows,
     onednn_f32_beats_float,
 )
 from runner.layers.linear import Linear, LinearShape, pack_linears
+from runner.layers.q4_blocks import Q4_GEMV, q4_gemv_kernels
 from runner.layers.q8_embedding import compress_embedding
 from runner.layers.weight_formats import (
     default_int8_kernel,
@@ -161,6 +166,8 @@ class Platform:
     # `prepare` measures and sets `small_rows` (0: not worth it here, copies dropped).
     small_batch_int8: str | None = None
     small_rows: int = 0
+    # Up to how many rows the copies' 4-bit blocks serve (measured in `prepare`; 0: none).
+    q4_rows: int = 0
     # The batched int8 kernel to pack for (None: none); `prepare` measures the kernel and
     # `batched_rows` (runner/batched_rows.py).
     batched_int8: str | None = None
@@ -197,6 +204,7 @@ class Platform:
             )
         if self.small_batch_int8:
             self.small_rows = measure_small_rows(model, self.dtype)
+            self.q4_rows = measure_q4_rows(model, self.dtype)
         batched = None
         if self.batched_int8:
             from runner.batched_rows import measure_batched_rows
@@ -213,6 +221,15 @@ class Platform:
                 else "small-batch int8 weights: dropped, the batched kernel serves from 1 row"
                 if taken
                 else "small-batch int8 weights: not faster here, dropped"
+            )
+        # The blocks serve inside the small copy's rows, which the batched measurement may
+        # have lowered.
+        self.q4_rows = min(self.q4_rows, self.small_rows)
+        if self.q4_rows:
+            isa = q4_gemv_kernels().get(Q4_GEMV, "")
+            self.reasons.append(
+                f"small-batch 4-bit blocks ({isa}) for <= {self.q4_rows} rows where a layer "
+                "has them"
             )
         if batched is not None:
             self.reasons.append(batched.describe())
@@ -231,12 +248,14 @@ class Platform:
             self.amx_rows,
         )
 
-    def prepare_as(self, model: torch.nn.Module, small_rows: int, min_rows: int | None) -> None:
+    def prepare_as(
+        self, model: torch.nn.Module, small_rows: int, min_rows: int | None, q4_rows: int = 0
+    ) -> None:
         """Convert a tensor-parallel worker's shard as rank 0 did, with rank 0's measured
         figures: every rank takes the same linear path for the same step (no batched int8
         copies: their choice is not passed on)."""
         self._pack(model, None)
-        self.small_rows, self.min_rows = small_rows, min_rows
+        self.small_rows, self.min_rows, self.q4_rows = small_rows, min_rows, q4_rows
         for m in model.modules():
             if isinstance(m, Linear):
                 m.min_rows = min_rows or 0
@@ -244,6 +263,10 @@ class Platform:
                     m.small_rows = small_rows
                 elif m.has_small_batch_int8:
                     m.drop_small_batch_int8()
+                if (copy := m.small_batch_copy) is not None:
+                    copy.q4_rows = q4_rows
+                    if not q4_rows:
+                        copy.q4 = None
 
     def describe(self) -> str:
         kernel = f" ({self.int8_kernel})" if self.weight_format == "int8" else ""

@@ -495,14 +495,15 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype):
 def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
     # Here the same tests (and the LoRA kernel's, the fused decoder's, row_argmax's and the
-    # int8 KV cache's) run in a fresh process on a build without AVX-512.
+    # int8 KV cache's and the 4-bit GEMV's) run in a fresh process on a build without AVX-512.
     env, cache = isa_build("-mno-avx512f")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),
          __file__.replace("test_cpu_ops.py", "test_fused_decode.py"),
          __file__.replace("test_cpu_ops.py", "test_row_argmax.py"),
-         __file__.replace("test_cpu_ops.py", "test_kv_int8_kernels.py"), "-k", "not avx2_build"],
+         __file__.replace("test_cpu_ops.py", "test_kv_int8_kernels.py"),
+         __file__.replace("test_cpu_ops.py", "test_q4_gemv.py"), "-k", "not avx2_build"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -516,6 +517,7 @@ _ISA_UNITS = (
     ("batched_int8", "int8_linear", "lora", "vec_attention", "amx_linear", "amx_attention",
      "argmax"),
     ("paged_attention",),
+    ("q4_gemv",),
 )  # fmt: skip
 
 
@@ -525,6 +527,8 @@ _ISA_UNITS = (
     [
         ("sapphirerapids", ("__AVX512BF16__", "__AVX512VNNI__", "__AMX_TILE__")),
         ("alderlake", ("__AVXVNNI__", "__AVX2__")),
+        # AVX-512 without VNNI or BF16: the branches that widen with madd.
+        ("skylake-avx512", ("__AVX512BW__", "__AVX512F__")),
     ],
 )
 def test_the_kernels_compile_for_cpu_kinds_other_than_this_one(march, defines, tmp_path):

@@ -13,15 +13,17 @@ from runner.layers.batched_int8 import batched_kernels
 from runner.layers.linear import Linear, pack_linears
 from runner.layers.q4_blocks import (
     CHANNELS,
+    Q4_GEMV,
     Q4_KERNEL,
     dequantize_blocks,
+    q4_gemv_kernels,
     q4_kernels,
     quantize_blocks,
 )
 from runner.layers.weight_formats import onednn_bf16_available, onednn_f32_available
 from runner.model_config import ModelConfig
 from runner.models.decoder import DecoderForCausalLM
-from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, Q4, ROWS, WIDEN
+from runner.models.fused_decode import AMX, DENSE, DOT, ONEDNN, Q4, Q4_GEMV_KIND, ROWS, WIDEN
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is not None, reason="CPU kernels did not build")
 
@@ -151,6 +153,19 @@ def test_4_bit_blocks_fused(dtype):
     # model's shape, not from the padded blocks.
     assert all(m.out_features % CHANNELS for m in linears)
     assert equal_steps(model, dtype, 6) == [Q4]
+
+
+@pytest.mark.skipif(Q4_GEMV not in q4_gemv_kernels(), reason="no few-row 4-bit kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_small_copies_4_bit_blocks_fused(dtype):
+    model = build(dtype, grid4=True)
+    copies = [m.small_batch_copy for m in model.modules() if isinstance(m, Linear)]
+    assert copies and all(c is not None and c.q4 is not None for c in copies)
+    for c in copies:
+        c.q4_rows = 2
+    model.refresh_fused_decode()
+    assert equal_steps(model, dtype, 2) == [Q4_GEMV_KIND]
+    assert equal_steps(model, dtype, 3) == [ROWS]  # past q4_rows: the int8 weights
 
 
 @pytest.mark.skipif(

@@ -97,6 +97,8 @@ def test_step_message_round_trips():
     assert StepInput.decode(empty.encode()) == empty
     spec = CacheSpec(100, 16, "cpu", 8, None, True)
     assert CacheSpec.decode(spec.encode(("torch", "cpu")), ("torch", "cpu")) == spec
+    spec = CacheSpec(100, 16, "torch", 8, 4, False, kv_int8=True, q4_rows=2)
+    assert CacheSpec.decode(spec.encode(("torch", "cpu")), ("torch", "cpu")) == spec
 
 
 def test_ring_delivers_in_order_and_refuses_oversized_messages():

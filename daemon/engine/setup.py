@@ -50,6 +50,7 @@ def tp_cache_spec(engine: Engine, num_blocks: int, loaded: LoadedModel) -> Cache
         platform.min_rows if platform else None,
         engine.config.deterministic,
         engine.kv_dtype == torch.int8,
+        platform.q4_rows if platform else 0,
     )
 
 

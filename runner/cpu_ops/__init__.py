@@ -16,6 +16,8 @@ torch.ops.headrace.batched_int8_pack(q) / batched_int8_linear(x, packed, scale, 
     kernel) / batched_int8_kernels()   (8-256 rows without AMX: "dot" or "widen")
 torch.ops.headrace.q4_pack(q, d, m) / q4_linear(x, packed, scales, bias, n) / q4_kernels()
     (a GGUF's 4-bit blocks on AVX2 maddubs, int8 activations: q4_linear.cpp)
+torch.ops.headrace.q4_gemv_pack(q, d, m) / q4_gemv(x, packed, bias, n) / q4_gemv_kernels()
+    (the same blocks for a few rows, int16 activations, vpdpwssd / vpmaddwd: q4_gemv.cpp)
 torch.ops.headrace.decode_layers(x, weights, kv_caches, cos, sin, slots, tables, lens, ...)
     (every decoder layer of a few-row decode step in one call: fused_decode.cpp)
 torch.ops.headrace.row_argmax(logits)   (greedy sampling's argmax: argmax.cpp)
@@ -58,6 +60,7 @@ SOURCES = (
     "lora.cpp",
     "batched_int8.cpp",
     "q4_linear.cpp",
+    "q4_gemv.cpp",
     "fused_decode.cpp",
     "argmax.cpp",
 )

@@ -27,6 +27,7 @@
 //             the weight's dtype)
 //   kDense    weight, bias                     (at::linear)
 //   kAmxBf16  bf16 AMX tiles, fp32 bias         (amx_bf16_linear, inputs cast to bf16)
+//   kQ4Gemv   4-bit blocks for few rows, bias   (q4_gemv)
 // Each linear's N comes from the model's shape (heads, head_dim, hidden, intermediate), not
 // from its weights, so a kernel whose blocks pad N needs no case of its own.
 
@@ -54,7 +55,8 @@ enum Kind : int64_t {
   kOnednn = 4,
   kDense = 5,
   kQ4 = 6,
-  kAmxBf16 = 7
+  kAmxBf16 = 7,
+  kQ4Gemv = 8
 };
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
@@ -90,6 +92,8 @@ at::Tensor linear_of_kind(const at::Tensor& x, const at::Tensor* w, int64_t kind
       return onednn_linear(x, w[0], w[1]);
     case kDense:
       return at::linear(x, w[0], optional_of(w[1]));
+    case kQ4Gemv:
+      return q4_gemv(x, w[0], optional_of(w[1]), n);
     case kAmxBf16:
       return amx_bf16_linear(x.to(at::kBFloat16), w[0], optional_of(w[1]), n)
           .to(x.scalar_type());

@@ -34,6 +34,10 @@ at::Tensor batched_int8_silu_mul(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias, int64_t n_dim);
 
+// q4_gemv.cpp
+at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, int64_t n_dim);
+
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.layers.batched_int8 import BatchedInt8
-from runner.layers.q4_blocks import Q4Blocks
+from runner.layers.q4_blocks import Q4Blocks, find_blocks
 from runner.layers.weight_formats import (
     AmxBf16Weight,
     Int8Weight,
@@ -123,12 +123,14 @@ class Linear(nn.Linear):
             raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
         if self.format != "float":
             raise RuntimeError(f"linear already packed as {self.format}")
+        # The checkpoint's 4-bit blocks, found once for both copies that read them.
+        blocks = find_blocks(self.weight.detach()) if small_batch_int8 or batched_int8 else None
         if small_batch_int8:
-            self._small = SmallBatchInt8.from_weight(self.weight.detach(), small_batch_int8)
+            self._small = SmallBatchInt8.from_weight(self.weight.detach(), small_batch_int8, blocks)
         if batched_int8:
             q, scale = Int8Weight.quantize_rows(self.weight.detach())
             self._batched = BatchedInt8.from_rows(q, scale, batched_int8)
-            self._batched.q4 = Q4Blocks.from_weight(self.weight.detach())
+            self._batched.q4 = Q4Blocks.from_blocks(blocks)
         if fmt == "int8" and not self.int8_inputs:
             fmt = float_format
         if fmt == "float":
@@ -165,6 +167,10 @@ class Linear(nn.Linear):
     @property
     def has_small_batch_int8(self) -> bool:
         return self._small is not None
+
+    @property
+    def small_batch_copy(self) -> SmallBatchInt8 | None:
+        return self._small
 
     @property
     def small_batch_layout(self) -> str | None:

@@ -10,6 +10,11 @@ The kernel (runner/cpu_ops/q4_linear.cpp) rounds the activations to int8 per 32 
 llama.cpp's Q4_1 x Q8_1 dot does, and multiplies with maddubs: twice the multiply-adds a
 cycle of the int8 copy's int16 madd. It is one of the batched kernels the start-up
 measurement may choose (runner/batched_rows.py, kernel "q4").
+
+`Q4Gemv` holds the same blocks for runner/cpu_ops/q4_gemv.cpp: a decode step of a few rows,
+activations rounded to int16 (as exact as the int8 copies'), fp16 d and m beside the nibbles
+so a block streams as one read. It lives in the small-batch copy (weight_formats.py), which
+serves its rows up to a measured `q4_rows` (runner/format_timing.py, `measure_q4_rows`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 Q4_KERNEL = "q4"
+Q4_GEMV = "q4_gemv"
 BLOCK = 32  # inputs per (d, m) pair, as Q4_1
 CHANNELS = 24  # output channels per packed block (the kernel's three 8-lane vectors)
 # How far off the 4-bit grid, in steps d, a weight may be and still count as on it: the
@@ -55,6 +61,22 @@ def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torc
     return blocks.reshape(n, k)
 
 
+# A weight's (q [N, K] uint8, d [N, K/32] fp32, m [N, K/32] fp32), as `quantize_blocks`.
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def find_blocks(w: torch.Tensor) -> Blocks | None:
+    """The (q, d, m) blocks of a weight already on a 4-bit grid per 32 inputs; None where it
+    is not (or K is not a multiple of 32), so a copy is never a new rounding of a weight."""
+    if w.dim() != 2 or w.shape[1] % BLOCK:
+        return None
+    q, d, m = quantize_blocks(w)
+    off = (dequantize_blocks(q, d, m) - w.float()).abs().reshape(*d.shape, BLOCK)
+    if (off > GRID_TOLERANCE * d[..., None]).any():
+        return None
+    return q, d, m
+
+
 @dataclass(slots=True)
 class Q4Blocks:
     """An [N, K] weight as packed 4-bit blocks and their (d, m) scales, for `q4_linear`."""
@@ -64,18 +86,50 @@ class Q4Blocks:
     out_features: int
 
     @classmethod
+    def from_blocks(cls, blocks: Blocks | None) -> Q4Blocks | None:
+        """From `find_blocks`' result; None where there are none or this build has no
+        kernel."""
+        if blocks is None or Q4_KERNEL not in q4_kernels():
+            return None
+        packed, scales = torch.ops.headrace.q4_pack(*blocks)
+        return cls(packed, scales, blocks[0].shape[0])
+
+    @classmethod
     def from_weight(cls, w: torch.Tensor) -> Q4Blocks | None:
-        """The blocks of a weight already on a 4-bit grid per 32 inputs; None where it is not
-        (or K is not a multiple of 32, or this build has no kernel)."""
-        if w.dim() != 2 or w.shape[1] % BLOCK or Q4_KERNEL not in q4_kernels():
-            return None
-        q, d, m = quantize_blocks(w)
-        off = (dequantize_blocks(q, d, m) - w.float()).abs().reshape(*d.shape, BLOCK)
-        if (off > GRID_TOLERANCE * d[..., None]).any():
-            return None
-        packed, scales = torch.ops.headrace.q4_pack(q, d, m)
-        return cls(packed, scales, w.shape[0])
+        return cls.from_blocks(find_blocks(w))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
         return torch.ops.headrace.q4_linear(x, self.packed, self.scales, bias, self.out_features)
+
+
+def q4_gemv_kernels() -> dict[str, str]:
+    """This build's few-row 4-bit kernel and its instructions ({} where none, or no build)."""
+    from runner.cpu_ops import load_cpu_ops
+
+    if load_cpu_ops() is not None:
+        return {}
+    return dict(entry.split(":", 1) for entry in torch.ops.headrace.q4_gemv_kernels())
+
+
+@dataclass(slots=True)
+class Q4Gemv:
+    """An [N, K] weight as 4-bit blocks laid out for `q4_gemv` (a few rows)."""
+
+    packed: torch.Tensor  # [ceil(N/16), K/32, 320] uint8: nibbles, then fp16 d and m
+    out_features: int
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks | None) -> Q4Gemv | None:
+        """From `find_blocks`' result; None where there are none, this build has no kernel,
+        or a scale is past fp16's range."""
+        if blocks is None or Q4_GEMV not in q4_gemv_kernels():
+            return None
+        q, d, m = blocks
+        if max(d.abs().max().item(), m.abs().max().item()) > torch.finfo(torch.float16).max:
+            return None
+        return cls(torch.ops.headrace.q4_gemv_pack(q, d, m), q.shape[0])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
+        return torch.ops.headrace.q4_gemv(x, self.packed, bias, self.out_features)

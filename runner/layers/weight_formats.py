@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runner.layers.q4_blocks import Q4_GEMV, Blocks, Q4Gemv
+
 INT8_KERNELS = ("fbgemm", "int_mm")
 SMALL_BATCH_LAYOUTS = ("rows", "amx")
 
@@ -151,25 +153,40 @@ class AmxBf16Weight:
 @dataclass(slots=True)
 class SmallBatchInt8:
     """A weight-only int8 copy of a [N, K] weight (per-channel scales, activations stay
-    float), laid out for the "rows" GEMV or the "amx" tile kernel."""
+    float), laid out for the "rows" GEMV or the "amx" tile kernel; beside it, where the
+    weight is on a 4-bit grid, the blocks for the 4-bit GEMV (`q4`), serving calls of up to
+    `q4_rows` rows (measured: runner/format_timing.py)."""
 
     weight: torch.Tensor  # [N, K] int8 ("rows") or [N/16, K/32, 512] int8 tiles ("amx")
     scale: torch.Tensor  # [N] fp32
     out_features: int
     layout: str
+    q4: Q4Gemv | None = None
+    q4_rows: int = 0
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor, layout: str) -> SmallBatchInt8:
+    def from_weight(
+        cls, w: torch.Tensor, layout: str, blocks: Blocks | None = None
+    ) -> SmallBatchInt8:
+        """`blocks` (`find_blocks(w)`, found once by the caller) adds the 4-bit copy."""
         if layout not in SMALL_BATCH_LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {', '.join(SMALL_BATCH_LAYOUTS)}")
         q, scale = Int8Weight.quantize_rows(w)
         if layout == "amx":
             q = torch.ops.headrace.amx_pack_int8(q)
-        return cls(q, scale, w.shape[0], layout)
+        return cls(q, scale, w.shape[0], layout, Q4Gemv.from_blocks(blocks))
+
+    def kernel_for(self, rows: int) -> str:
+        """ "q4_gemv" where the 4-bit copy serves `rows` rows, else the layout."""
+        return Q4_GEMV if self.q4 is not None and rows <= self.q4_rows else self.layout
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
-        if self.layout == "amx":
+        kernel = self.kernel_for(x.shape[0])
+        if kernel == Q4_GEMV:
+            assert self.q4 is not None
+            return self.q4(x, bias)
+        if kernel == "amx":
             return torch.ops.headrace.amx_int8_linear(
                 x, self.weight, self.scale, bias, self.out_features
             )

@@ -11,9 +11,9 @@ itself take those ops:
 - Llama-style layers without tensor parallelism or per-head QK norm, every linear a plain
   `Linear` (LoRA wrappers keep the layer path);
 - a step of one query per request, in flattened order, for whose row count every linear
-  (`Linear.kernel_for`) takes a kernel decode_layers has: the int8 "rows" or AMX copies,
-  the batched int8 copy, oneDNN (bf16 or fp32) or float weights (rows padded for `--deterministic`
-  and the dynamic int8 format keep the layer path).
+  (`Linear.kernel_for`) takes a kernel decode_layers has: the int8 "rows" or AMX copies
+  or their 4-bit blocks, the batched int8 copy, oneDNN (bf16 or fp32) or float weights
+  (rows padded for `--deterministic` and the dynamic int8 format keep the layer path).
 
 The weights and kernel kinds for a row count are gathered once and kept (a step's lookup
 is a dict hit); `DecoderForCausalLM.refresh_fused_decode` starts over after anything that
@@ -29,12 +29,12 @@ from torch import nn
 
 from runner.attention import AttentionMetadata
 from runner.layers.linear import ONEDNN_DTYPES, Linear
-from runner.layers.q4_blocks import Q4_KERNEL
+from runner.layers.q4_blocks import Q4_GEMV, Q4_KERNEL
 from runner.models.rope import RopeAt
 from runner.step_interrupt import StepInterrupt, StepInterrupted
 
 # decode_layers' linear kinds (fused_decode.cpp's Kind).
-ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE, Q4, AMX_BF16 = range(8)
+ROWS, AMX, DOT, WIDEN, ONEDNN, DENSE, Q4, AMX_BF16, Q4_GEMV_KIND = range(9)
 _EMPTY = torch.empty(0)
 
 
@@ -51,8 +51,11 @@ def linear_plan(m: nn.Module, rows: int) -> tuple[int, list[torch.Tensor]] | Non
         return None
     kernel = m.kernel_for(rows)
     if kernel == "small":
-        small = m._small
+        small = m.small_batch_copy
         assert small is not None
+        if small.kernel_for(rows) == Q4_GEMV:
+            assert small.q4 is not None
+            return Q4_GEMV_KIND, _slots(small.q4.packed, m.bias)
         return ROWS if small.layout == "rows" else AMX, _slots(small.weight, small.scale, m.bias)
     if kernel == "batched":
         b = m._batched

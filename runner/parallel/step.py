@@ -66,20 +66,22 @@ class CacheSpec:
     deterministic: bool
     # int8 rows (runner/kv_format.py), else rows of the model's dtype.
     kv_int8: bool = False
+    # Up to how many rows the small copies' 4-bit blocks serve (Platform.q4_rows).
+    q4_rows: int = 0
 
     def encode(self, backends: tuple[str, ...]) -> np.ndarray:
         min_rows = -1 if self.min_rows is None else self.min_rows
         fields = [CACHE, self.num_blocks, self.block_size, backends.index(self.backend)]
         flags = [int(self.deterministic), int(self.kv_int8)]
-        return np.array([*fields, self.small_rows, min_rows, *flags], np.int32)
+        return np.array([*fields, self.small_rows, min_rows, *flags, self.q4_rows], np.int32)
 
     @classmethod
     def decode(cls, words: np.ndarray, backends: tuple[str, ...]) -> CacheSpec:
-        kind, blocks, size, backend, small, min_rows, det, int8 = (int(x) for x in words[:8])
+        kind, blocks, size, backend, small, min_rows, det, int8, q4 = (int(x) for x in words[:9])
         if kind != CACHE:
             raise ValueError(f"not a cache message (kind {kind})")
         return cls(blocks, size, backends[backend], small, None if min_rows < 0 else min_rows,
-                   bool(det), bool(int8))  # fmt: skip
+                   bool(det), bool(int8), q4)  # fmt: skip
 
 
 def stop_message() -> np.ndarray:

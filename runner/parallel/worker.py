@@ -123,7 +123,7 @@ def _serve(spec: WorkerSpec) -> None:
                           spec.ring_slot_bytes)  # fmt: skip
 
     cache = CacheSpec.decode(ring.read(spec.rank, parent_alive), BACKENDS)
-    spec.platform.prepare_as(model, cache.small_rows, cache.min_rows)
+    spec.platform.prepare_as(model, cache.small_rows, cache.min_rows, cache.q4_rows)
     trim_heap()  # the shard's load temporaries (runner/heap.py)
     shard = ShardRunner(model, cache, device, spec.platform.dtype)
     log.info("rank %d (pid %d) ready on cores %s (%d threads)", spec.rank, os.getpid(),
