@@ -51,10 +51,15 @@ class Endpoint:
         return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
 
     def session(self, limit: int) -> aiohttp.ClientSession:
+        # One connection a request, as vLLM's benchmark_serving opens a session a request: a
+        # pooled keep-alive connection the server has just closed fails the next request
+        # with "Server disconnected" before the server sees it (llama-server: about one in
+        # eight at c=1), which a client's retry would hide and a load test counted against
+        # the server.
         connector = (
-            aiohttp.UnixConnector(path=self.uds, limit=limit)
+            aiohttp.UnixConnector(path=self.uds, limit=limit, force_close=True)
             if self.uds
-            else aiohttp.TCPConnector(limit=limit)
+            else aiohttp.TCPConnector(limit=limit, force_close=True)
         )
         return aiohttp.ClientSession(
             base_url=self.base_url.rstrip("/") + "/",
