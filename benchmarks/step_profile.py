@@ -31,6 +31,7 @@ from machine import cpu_description, read_bandwidth
 from daemon.engine.config import EngineConfig
 from daemon.engine.engine import Engine
 from daemon.engine.loaded_model import LoadedModel
+from runner import kv_format
 from runner.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from runner.layers.linear import ONEDNN_DTYPES, Linear
 from runner.layers.q4_blocks import Q4_GEMV
@@ -100,8 +101,10 @@ def step_bytes(loaded: LoadedModel, batch: int, context: int) -> int:
     model = loaded.model
     weights = sum(weight_bytes(m, batch) for m in model.modules() if isinstance(m, Linear))
     cfg = model.config
-    elt = torch.empty(0, dtype=loaded.dtype).element_size()
-    kv = batch * context * 2 * cfg.kv_size * cfg.num_hidden_layers * elt
+    int8_auto = loaded.platform is not None and loaded.platform.int8_kv
+    kv_dtype = kv_format.cache_dtype("auto", loaded.dtype, int8_auto)  # what the engine takes
+    row = kv_format.row_width(cfg.head_dim, kv_dtype) * kv_dtype.itemsize
+    kv = batch * context * 2 * cfg.num_key_value_heads * row * cfg.num_hidden_layers
     return weights + kv
 
 
