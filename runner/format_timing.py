@@ -264,31 +264,9 @@ def measure_small_rows(
     bf16 copies of all layers (270 MB for SmolLM2) stream from memory in a real step.
     """
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.has_small_batch_int8]
-    best_rows = 0
-    with torch.inference_mode():
-        for rows in candidates:
-            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
-            sweeps = {use: _sweep(layers, inputs, use) for use in (0, rows)}
-            times = dict.fromkeys(sweeps, float("inf"))
-            # A count the copies lose is timed again (the best of both decides): one timing
-            # beside a busy neighbour had stopped them at 2 rows, where they serve 32.
-            for timing in (1, 2):
-                again = best_of_interleaved(sweeps, reps)
-                times = {use: min(t, again[use]) for use, t in times.items()}
-                log.info(
-                    "small-batch int8 at %d rows (timing %d): %.2f ms vs %.2f ms per sweep of "
-                    "%d linears",
-                    rows,
-                    timing,
-                    times[rows] * 1e3,
-                    times[0] * 1e3,
-                    len(layers),
-                )
-                if times[rows] < margin * times[0]:
-                    break
-            if times[rows] >= margin * times[0]:
-                break
-            best_rows = rows
+    best_rows = _largest_winning_rows(
+        layers, dtype, candidates, _sweep, reps, margin, "small-batch int8 %s ms vs %s ms"
+    )
     for m in layers:
         if best_rows:
             m.small_rows = best_rows
@@ -320,30 +298,11 @@ def measure_q4_rows(
         and (copy := m.small_batch_copy) is not None
         and copy.q4 is not None
     ]
-    best_rows = 0
     limit = min((m.small_rows for m in layers), default=0)
-    with torch.inference_mode():
-        for rows in (r for r in candidates if r <= limit):
-            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
-            sweeps = {use: _q4_sweep(layers, inputs, use) for use in (0, rows)}
-            times = dict.fromkeys(sweeps, float("inf"))
-            for timing in (1, 2):
-                again = best_of_interleaved(sweeps, reps)
-                times = {use: min(t, again[use]) for use, t in times.items()}
-                log.info(
-                    "4-bit blocks at %d rows (timing %d): %.2f ms vs int8 %.2f ms per sweep "
-                    "of %d linears",
-                    rows,
-                    timing,
-                    times[rows] * 1e3,
-                    times[0] * 1e3,
-                    len(layers),
-                )
-                if times[rows] < margin * times[0]:
-                    break
-            if times[rows] >= margin * times[0]:
-                break
-            best_rows = rows
+    best_rows = _largest_winning_rows(
+        layers, dtype, [r for r in candidates if r <= limit], _q4_sweep, reps, margin,
+        "4-bit blocks %s ms vs int8 %s ms",
+    )  # fmt: skip
     for m in layers:
         copy = m.small_batch_copy
         assert copy is not None
@@ -366,3 +325,42 @@ def _q4_sweep(
             m(inputs[m.in_features])
 
     return run
+
+
+def _largest_winning_rows(
+    layers: list[Linear],
+    dtype: torch.dtype,
+    candidates: Sequence[int],
+    sweep: Callable[[list[Linear], dict[int, torch.Tensor], int], Callable[[], None]],
+    reps: int,
+    margin: float,
+    what: str,
+) -> int:
+    """The last of `candidates` (in order) up to which, at every count, `sweep(..., rows)`
+    (the new path up to that many rows) takes less than `margin` times `sweep(..., 0)` (the
+    path it would replace); 0 where the first loses. `what` logs a timing (its two %s: the
+    ms of each).
+
+    A count the new path loses is timed again, and the best of both timings decides: one
+    timing beside a busy neighbour had stopped the int8 copies at 2 rows, where they serve 32.
+    """
+    best_rows = 0
+    with torch.inference_mode():
+        for rows in candidates:
+            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in layers}}
+            runs = {use: sweep(layers, inputs, use) for use in (0, rows)}
+            times = dict.fromkeys(runs, float("inf"))
+            for timing in (1, 2):
+                again = best_of_interleaved(runs, reps)
+                times = {use: min(t, again[use]) for use, t in times.items()}
+                label = what % (f"{times[rows] * 1e3:.2f}", f"{times[0] * 1e3:.2f}")
+                log.info(
+                    "%s per sweep of %d linears at %d rows (timing %d)",
+                    label, len(layers), rows, timing,
+                )  # fmt: skip
+                if times[rows] < margin * times[0]:
+                    break
+            if times[rows] >= margin * times[0]:
+                break
+            best_rows = rows
+    return best_rows
