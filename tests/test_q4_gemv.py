@@ -122,6 +122,35 @@ def test_the_small_copy_serves_its_first_rows_from_the_blocks():
     assert SmallBatchInt8.from_weight(w, "rows").q4 is None  # no blocks given: none kept
 
 
+def test_an_int8_copy_the_blocks_cover_is_freed_and_the_output_stays():
+    w = on_grid(48, 64)
+    copy = SmallBatchInt8.from_weight(w, "rows", find_blocks(w))
+    copy.q4_rows = 2
+    assert copy.free_int8(4) == 0 and copy.weight is not None  # rows 3-4 still need it
+    x = torch.randn(2, 64)
+    before = copy(x, None)
+    assert copy.free_int8(2) == 48 * 64 and copy.weight is None
+    assert copy.kernel_for(2) == Q4_GEMV and torch.equal(copy(x, None), before)
+    no_blocks = SmallBatchInt8.from_weight(torch.randn(48, 64), "rows")
+    assert no_blocks.free_int8(1) == 0 and no_blocks.weight is not None
+
+
+def test_the_platform_frees_the_int8_copies_its_blocks_cover():
+    from runner.platform import _free_covered_int8
+
+    model = _model_with_copies()  # small_rows 4
+    for m in model:
+        m.small_batch_copy.q4_rows = 2
+    assert _free_covered_int8(model) == 0
+    for m in model:
+        m.small_batch_copy.q4_rows = 4
+    assert _free_covered_int8(model) == 64 * 96 + 96 * 64
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        y = model(x)  # both layers on their blocks alone
+    assert y.shape == (3, 64) and all(m.small_batch_copy.weight is None for m in model)
+
+
 def _model_with_copies() -> torch.nn.Module:
     model = torch.nn.Sequential(Linear(64, 96, bias=False), Linear(96, 64, bias=False))
     with torch.no_grad():

@@ -157,7 +157,9 @@ class SmallBatchInt8:
     weight is on a 4-bit grid, the blocks for the 4-bit GEMV (`q4`), serving calls of up to
     `q4_rows` rows (measured: runner/format_timing.py)."""
 
-    weight: torch.Tensor  # [N, K] int8 ("rows") or [N/16, K/32, 512] int8 tiles ("amx")
+    # [N, K] int8 ("rows") or [N/16, K/32, 512] int8 tiles ("amx"); None once freed, where
+    # the blocks serve every row the copy is given (`free_int8`).
+    weight: torch.Tensor | None
     scale: torch.Tensor  # [N] fp32
     out_features: int
     layout: str
@@ -177,8 +179,20 @@ class SmallBatchInt8:
         return cls(q, scale, w.shape[0], layout, Q4Gemv.from_blocks(blocks))
 
     def kernel_for(self, rows: int) -> str:
-        """ "q4_gemv" where the 4-bit copy serves `rows` rows, else the layout."""
-        return Q4_GEMV if self.q4 is not None and rows <= self.q4_rows else self.layout
+        """The kernel a call of `rows` rows takes: the 4-bit GEMV ("q4_gemv") up to
+        `q4_rows` rows or once the int8 weight is freed, else the layout's."""
+        if self.q4 is not None and (rows <= self.q4_rows or self.weight is None):
+            return Q4_GEMV
+        return self.layout
+
+    def free_int8(self, rows: int) -> int:
+        """Free the int8 weight where the blocks serve all the `rows` rows the layer gives
+        this copy (its `small_rows`); the bytes freed (0: kept)."""
+        if self.q4 is None or self.weight is None or not 0 < rows <= self.q4_rows:
+            return 0
+        freed = self.weight.numel() * self.weight.element_size()
+        self.weight = None
+        return freed
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[M, K] fp32 or bf16 -> [M, N] in x's dtype."""
@@ -186,6 +200,7 @@ class SmallBatchInt8:
         if kernel == Q4_GEMV:
             assert self.q4 is not None
             return self.q4(x, bias)
+        assert self.weight is not None  # kernel_for takes the blocks once it is freed
         if kernel == "amx":
             return torch.ops.headrace.amx_int8_linear(
                 x, self.weight, self.scale, bias, self.out_features
