@@ -27,7 +27,7 @@ machine's figures):
   from memory as in a real step) is 10% faster with the copies at every step; 0 drops them.
   Where a layer's weight is on a 4-bit grid (the GGUF's Q4_1 blocks), its copy also keeps
   those blocks for the 4-bit GEMV (runner/cpu_ops/q4_gemv.cpp), used up to `q4_rows` rows:
-  the largest of 1, 2, 4, 8 at which the same kind of sweep is 5% faster on them.
+  the largest of 1, 2, 4, 8 at which the same kind of sweep is faster on them.
 - batched int8 (the same conditions, no AMX): every linear also keeps a copy for the batched
   kernel (runner/layers/batched_int8.py); runner/batched_rows.py measures which kernel wins
   here and up to how many rows (`batched_rows`) it beats the bf16/fp32 path.
