@@ -139,13 +139,13 @@ constexpr int kHalves = Isa::kHalves;
 // Rows a tile multiplies each unpacked chunk into (more rows take more tiles, the weights
 // then re-read from cache).
 constexpr int kMaxRows = 2;
-// Blocks a tile streams side by side: independent multiply-add chains (vpdpwssd's latency is
-// ~5 cycles) and a few read streams, within the vector registers (32 zmm, 16 ymm).
 // Groups fetched ahead of the one multiplied: at one row, 4.13 against 4.25 ms a sweep of
 // SmolLM2's decoder without (8 ahead: 4.30, 16: 4.49); past a block's end it fetches the next
 // block's first groups, which a run reads next or leaves to another thread.
 constexpr int64_t kAhead = 4;
 
+// Blocks a tile streams side by side: independent multiply-add chains (vpdpwssd's latency is
+// ~5 cycles) and a few read streams, within the vector registers (32 zmm, 16 ymm).
 template <int MB>
 constexpr int blocks_for_rows() {
   return kHalves == 1 ? (MB == 1 ? 4 : 2) : (MB == 1 ? 2 : 1);
