@@ -7,6 +7,7 @@ them; runner/batched_rows.py and runner/cpu_prefill.py time their own choices wi
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -46,14 +47,28 @@ def _calls(layer: Linear, inputs: list[torch.Tensor], gated: bool = False) -> Ca
     return run
 
 
+def _set_small_rows(m: Linear, rows: int) -> None:
+    m.small_rows = rows
+
+
+def _set_q4_rows(m: Linear, rows: int) -> None:
+    copy = m.small_batch_copy
+    assert copy is not None
+    copy.q4_rows = rows
+
+
 def _sweep(
-    layers: list[Linear], inputs: dict[int, torch.Tensor], small_rows: int
+    layers: list[Linear],
+    inputs: dict[int, torch.Tensor],
+    rows: int,
+    set_rows: Callable[[Linear, int], None] = _set_small_rows,
 ) -> Callable[[], None]:
-    """Every layer once, in model order, with its int8 copy used up to `small_rows` rows."""
+    """Every layer once, in model order, with `set_rows(layer, rows)` first: by default its
+    int8 copy used up to `rows` rows (`_set_q4_rows`: the copy's 4-bit blocks)."""
 
     def run() -> None:
         for m in layers:
-            m.small_rows = small_rows
+            set_rows(m, rows)
             m(inputs[m.in_features])
 
     return run
@@ -306,7 +321,8 @@ def measure_q4_rows(
     ]
     limit = min((m.small_rows for m in layers), default=0)
     best_rows = _largest_winning_rows(
-        layers, dtype, [r for r in candidates if r <= limit], _q4_sweep, reps, margin,
+        layers, dtype, [r for r in candidates if r <= limit],
+        functools.partial(_sweep, set_rows=_set_q4_rows), reps, margin,
         "4-bit blocks %s ms vs int8 %s ms",
     )  # fmt: skip
     for m in layers:
@@ -318,26 +334,11 @@ def measure_q4_rows(
     return best_rows
 
 
-def _q4_sweep(
-    layers: list[Linear], inputs: dict[int, torch.Tensor], q4_rows: int
-) -> Callable[[], None]:
-    """Every layer once, in model order, its small copy's 4-bit blocks used up to `q4_rows`."""
-
-    def run() -> None:
-        for m in layers:
-            copy = m.small_batch_copy
-            assert copy is not None
-            copy.q4_rows = q4_rows
-            m(inputs[m.in_features])
-
-    return run
-
-
 def _largest_winning_rows(
     layers: list[Linear],
     dtype: torch.dtype,
     candidates: Sequence[int],
-    sweep: Callable[[list[Linear], dict[int, torch.Tensor], int], Callable[[], None]],
+    sweep: Callable[..., Callable[[], None]],
     reps: int,
     margin: float,
     what: str,

@@ -147,3 +147,12 @@ def build_and_load(build_dir: Path) -> str | None:
         reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
         log.warning("CPU kernels unavailable, using the torch reference (%s)", reason)
         return reason
+
+
+def kernel_isas(listing: str) -> dict[str, str]:
+    """A kernel family's entries in this build, name -> instructions, from its listing op
+    (`torch.ops.headrace.<listing>()`, entries "name:isa"); {} where the kernels did not
+    build."""
+    if load_cpu_ops() is not None:
+        return {}
+    return dict(entry.split(":", 1) for entry in getattr(torch.ops.headrace, listing)())

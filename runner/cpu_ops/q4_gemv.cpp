@@ -36,6 +36,7 @@
 
 #include "act_quant.h"
 #include "ops.h"
+#include "tile_driver.h"
 
 namespace {
 
@@ -223,13 +224,8 @@ void blocks_of_rows(int64_t first, int64_t last, int64_t m0, const int16_t* xq, 
   const int16_t* xm = xq + m0 * k_dim;
   const float *xsm = xs + m0 * groups, *xsumm = xsum + m0 * groups;
   auto emit = [&](int64_t b0, int nb) {
-    for (int m = 0; m < MB; ++m)
-      for (int64_t c = 0; c < nb * kChannels; ++c) {
-        const int64_t n = b0 * kChannels + c;
-        if (n >= n_dim) break;
-        const float v = sums[m * nb * kChannels + c] + (bias ? bias[n] : 0.0f);
-        y[(m0 + m) * n_dim + n] = static_cast<T>(v);
-      }
+    headrace::store_tile(sums, nb * kChannels, MB, m0, b0 * kChannels, n_dim, nullptr, nullptr,
+                         bias, y);
   };
   int64_t b = first;
   for (; b + NB <= last; b += NB) {

@@ -42,11 +42,9 @@ FEW_ROW_ISAS = frozenset({"avx2_madd", "avx2_fma", "avx512_fma"})
 
 def batched_kernels() -> dict[str, str]:
     """This build's kernels and the instructions each uses ({} where none, or no build)."""
-    from runner.cpu_ops import load_cpu_ops  # cached: builds or loads the kernels once
+    from runner.cpu_ops import kernel_isas  # cached: builds or loads the kernels once
 
-    if load_cpu_ops() is not None:
-        return {}
-    kernels = dict(entry.split(":", 1) for entry in torch.ops.headrace.batched_int8_kernels())
+    kernels = kernel_isas("batched_int8_kernels")
     if Q4_FALLBACK in kernels:
         kernels |= q4_kernels()
     return kernels

@@ -35,11 +35,9 @@ GRID_TOLERANCE = 0.1
 
 def q4_kernels() -> dict[str, str]:
     """This build's 4-bit kernel and the instructions it uses ({} where none, or no build)."""
-    from runner.cpu_ops import load_cpu_ops
+    from runner.cpu_ops import kernel_isas
 
-    if load_cpu_ops() is not None:
-        return {}
-    return dict(entry.split(":", 1) for entry in torch.ops.headrace.q4_kernels())
+    return kernel_isas("q4_kernels")
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,11 +103,9 @@ class Q4Blocks:
 
 def q4_gemv_kernels() -> dict[str, str]:
     """This build's few-row 4-bit kernel and its instructions ({} where none, or no build)."""
-    from runner.cpu_ops import load_cpu_ops
+    from runner.cpu_ops import kernel_isas
 
-    if load_cpu_ops() is not None:
-        return {}
-    return dict(entry.split(":", 1) for entry in torch.ops.headrace.q4_gemv_kernels())
+    return kernel_isas("q4_gemv_kernels")
 
 
 @dataclass(slots=True)
