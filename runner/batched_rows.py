@@ -60,6 +60,8 @@ class BatchedChoice:
     head_rows: int = 0
     # Layers whose own format was freed: the copy serves all their rows (`drop_own_format`).
     freed: int = 0
+    # The LM head's own `small_rows` where it differs (None: it follows `small_rows`).
+    head_small_rows: int | None = None
 
     def describe(self) -> str:
         if self.kernel is None:
@@ -74,6 +76,13 @@ class BatchedChoice:
             said += f" ({exact} for {self.small_rows + 1}-{self.exact_rows})"
         if self.head_rows:
             said += f"; the LM head's up to {self.head_rows} rows"
+        if self.head_small_rows is not None:
+            exact = Q4_FALLBACK if self.kernel == Q4_KERNEL else self.kernel
+            said += (
+                f"; the LM head's small copy for <= {self.head_small_rows} rows"
+                if self.head_small_rows
+                else f"; the LM head on {exact} from 1 row (its small copy freed)"
+            )
         if self.freed:
             said += f"; the own format freed on {self.freed} layers (the copy serves all rows)"
         return said
@@ -147,6 +156,7 @@ def _split_few_rows(
     small_rows: int,
     reps: int,
     times: dict[int, dict[str, float]],
+    prefix: str = "",
 ) -> int:
     """Where the small copy still serves 1..`small_rows`: the split with the least total time
     over the row counts 1, 2, 4, ..., `small_rows` (timed here where the candidates did not
@@ -156,16 +166,18 @@ def _split_few_rows(
     95.4 ms a sweep, dot 73.7 and 82.7, two start-ups), and when a run of wins had to start
     at the first candidate, one such point left a single stream on the copy. Over 1-8 rows
     dot (int16 madd) leads there (177 against 186 ms), and one stream on it generates
-    1.04-1.34x the tok/s (benchmarks/few_rows.py, 8 rounds).
+    1.04-1.34x the tok/s (benchmarks/few_rows.py, 8 rounds). `prefix` names the paths of a
+    split timed apart (the LM head's).
     """
     counts = [1 << i for i in range(small_rows.bit_length())]
+    small, own = prefix + "small", prefix + kernel
     for rows in counts:
-        if not {"small", kernel} <= times.get(rows, {}).keys():
-            paths = {"small": (kernel, 0, small_rows), kernel: (kernel, rows, 0)}
+        if not {small, own} <= times.get(rows, {}).keys():
+            paths = {small: (kernel, 0, small_rows), own: (kernel, rows, 0)}
             times[rows] = times.get(rows, {}) | _time_paths(layers, dtype, rows, paths, reps)
 
     def total(split: int) -> float:
-        return sum(times[r]["small" if r <= split else kernel] for r in counts)
+        return sum(times[r][small if r <= split else own] for r in counts)
 
     return min([0, *counts], key=total)
 
@@ -259,16 +271,24 @@ def measure_batched_rows(
     # stay on an exact kernel, the copy or Q4_FALLBACK, split as for a "dot" choice.
     exact = Q4_FALLBACK if kernel == Q4_KERNEL else kernel
     exact_rows = small_rows if kernel == Q4_KERNEL else 0
+    head = getattr(model, "lm_head", None)
+    head_small: int | None = None
     if exact is not None and batched_kernels()[exact] in FEW_ROW_ISAS and small_rows > 0:
+        # The LM head splits apart: at a few rows the other layers may take the 4-bit
+        # blocks (their small copy's own kernel), which the head (Q8_0 in SmolLM2's GGUF)
+        # has not, so one split of all layers chose for the blocks and left the head on the
+        # copy's widening GEMV: 1.13 against 0.62 ms for dot, one row on Zen 3.
+        body = [m for m in layers if m is not head]
         with torch.inference_mode():
-            small_rows = _split_few_rows(layers, dtype, exact, small_rows, reps, times)
+            if head in layers and head.has_small_batch_int8 and body:
+                head_small = _split_few_rows([head], dtype, exact, small_rows, reps, times, "head_")
+            small_rows = _split_few_rows(body or layers, dtype, exact, small_rows, reps, times)
     if kernel is not None and batched_rows == max(candidates) and step_rows > batched_rows:
         with torch.inference_mode():
             paths = {"own": (kernel, 0, 0), kernel: (kernel, step_rows, 0)}
             times[step_rows] = _time_paths(prompt_layers, dtype, step_rows, paths, step_reps)
         if times[step_rows][kernel] < margin * times[step_rows]["own"]:
             batched_rows = step_rows
-    head = getattr(model, "lm_head", None)
     head_rows = 0
     if kernel is not None and head in layers:
         with torch.inference_mode():
@@ -279,8 +299,8 @@ def measure_batched_rows(
     freed = 0
     for m in layers:
         if m.has_small_batch_int8:
-            m.small_rows = small_rows
-            if small_rows == 0:  # the kernel serves every row count: the copy is dead weight
+            m.small_rows = head_small if m is head and head_small is not None else small_rows
+            if m.small_rows == 0:  # the kernel serves every row count: the copy is dead weight
                 m.set_small_batch_int8(None)
         if kernel is None:
             m.set_batched_int8(None)
@@ -291,4 +311,8 @@ def measure_batched_rows(
             if frees and m is not head:
                 m.drop_own_format()
                 freed += 1
-    return BatchedChoice(kernel, batched_rows, small_rows, times, exact_rows, head_rows, freed)
+    if head_small == small_rows:
+        head_small = None
+    return BatchedChoice(
+        kernel, batched_rows, small_rows, times, exact_rows, head_rows, freed, head_small
+    )

@@ -385,6 +385,48 @@ def test_the_small_copys_rows_split_where_the_total_time_is_least(monkeypatch, i
         assert f"for {want + 1}-32 rows" in choice.describe()
 
 
+@pytest.mark.parametrize("head_copy_wins_at_1, head_small", [(False, 0), (True, 1)])
+def test_the_lm_heads_few_rows_split_apart_from_the_other_layers(
+    monkeypatch, head_copy_wins_at_1, head_small
+):
+    # The other layers' small copies may hold 4-bit blocks (faster than dot at a few rows);
+    # the head's (Q8_0 in SmolLM2) has not, and on Zen 3 dot read it 1.8x faster than the
+    # copy's widening GEMV. One split of all layers kept the copy for both.
+    import runner.batched_rows
+
+    seen: list[tuple[int, int, tuple[str, ...]]] = []
+
+    def fake(layers, dtype, rows, paths, reps):
+        seen.append((rows, len(layers), tuple(sorted(paths))))
+        ms = {"own": 10.0, "small": 6.0, "dot": 5.0, "head_own": 10.0, "head_batched": 9.0}
+        if rows <= 4:  # the body's copy (blocks) wins; the head's loses but maybe at 1 row
+            ms |= {"small": 3.0, "head_small": 2.0 if head_copy_wins_at_1 and rows == 1 else 4.0}
+            ms |= {"head_dot": 3.0}
+        return {p: ms[p] for p in paths}
+
+    monkeypatch.setattr(runner.batched_rows, "_time_paths", fake)
+    monkeypatch.setattr(runner.batched_rows, "batched_kernels", lambda: {"dot": "avx2_madd"})
+    model = torch.nn.Module()
+    model.body, model.lm_head = Linear(64, 64), Linear(64, 128)
+    pack_linears(model, "float", small_batch_int8="rows", batched_int8="dot")
+    model.body.small_rows = model.lm_head.small_rows = 4
+    choice = measure_batched_rows(
+        model, torch.float32, candidates=(8, 16), reps=1, candidates_kernels=("dot",)
+    )
+    # Each split timed its own layers: the head alone, then the body without it.
+    few = [s for s in seen if s[0] <= 4]
+    assert [s[1:] for s in few if "head_small" in s[2]] == [(1, ("head_dot", "head_small"))] * 3
+    assert [s[1:] for s in few if "small" in s[2]] == [(1, ("dot", "small"))] * 3
+    assert choice.small_rows == 4 and model.body.small_rows == 4
+    assert model.lm_head.small_rows == head_small and choice.head_small_rows == head_small
+    assert model.lm_head.has_small_batch_int8 == bool(head_small)
+    assert model.lm_head.kernel_for(1) == ("small" if head_small else "batched")
+    assert model.lm_head.kernel_for(2) == "batched" and model.body.kernel_for(4) == "small"
+    told = choice.describe()
+    assert ("LM head on dot from 1 row" in told) == (not head_small), told
+    assert ("LM head's small copy for <= 1 rows" in told) == bool(head_small), told
+
+
 def test_the_start_up_log_tells_the_small_rows_the_batched_measurement_left(monkeypatch):
     import runner.batched_rows
     import runner.platform as hw
