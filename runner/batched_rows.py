@@ -77,11 +77,11 @@ class BatchedChoice:
         if self.head_rows:
             said += f"; the LM head's up to {self.head_rows} rows"
         if self.head_small_rows is not None:
-            exact = Q4_FALLBACK if self.kernel == Q4_KERNEL else self.kernel
+            head_kernel = Q4_FALLBACK if self.kernel == Q4_KERNEL else self.kernel
             said += (
                 f"; the LM head's small copy for <= {self.head_small_rows} rows"
                 if self.head_small_rows
-                else f"; the LM head on {exact} from 1 row (its small copy freed)"
+                else f"; the LM head on {head_kernel} from 1 row (its small copy freed)"
             )
         if self.freed:
             said += f"; the own format freed on {self.freed} layers (the copy serves all rows)"
