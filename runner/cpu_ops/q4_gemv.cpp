@@ -110,7 +110,7 @@ struct Isa {
   static constexpr int kSums = 1;
 #endif
   // Zen 3 streams one core's share only with the fetch ~15 KB ahead of two blocks' reads:
-  // one layer per 1-row call, 40 layers in turn on one core, 13.7 GB/s at 4 groups ahead
+  // one layer per 1-row call, 40 layers in turn on one core, 13.6 GB/s at 4 groups ahead
   // against 20.6 at 24 (2.0x the 4-ahead kernel with its unrolled chunks and spills).
   static constexpr int64_t kAhead = 24;
 // The four chunks stay a loop: unrolled, their unpacked nibbles and sums outgrew the 16 ymm
