@@ -143,7 +143,9 @@ _NARROWED_FEATURE = {"-mno-avx512f": "avx512f", "-mno-avxvnni": "avx_vnni"}
 
 
 @pytest.fixture(scope="session")
-def isa_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, Path]]:
+def isa_build(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[dict, Path] | None]:
     """`isa_build(flags) -> (env, cache)`: the environment in which a subprocess loads the
     kernels built with narrowed ISA flags (`-mno-avx512f`...), and the cache directory whose
     `cpu_ops/*/built.ok` that build leaves.
@@ -151,11 +153,12 @@ def isa_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
     Narrowed builds all go to one directory shared by both xdist workers (torch's builder
     locks a build directory), so each flag set builds once per run, ~100-180 s apiece on two
     cores. Where the CPU has none of the features the flags take away (an AVX2-only CPU asked
-    for `-mno-avx512f`), `-march=native` already builds exactly that: the subprocess loads the
-    native build the suite has made, instead of compiling the same code a second time.
+    for `-mno-avx512f`), `-march=native` already builds exactly that and this run's own tests
+    run on it: the subprocess would run them a second time (~170 s of a Zen 3 CI run). There
+    it checks that the suite's build has no AVX-512 kernel and returns None.
     """
     from runner.cache_dir import cache_dir
-    from runner.cpu_ops import EXTRA_CFLAGS_ENV
+    from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
     from runner.platform import read_cpu_flags
 
     base = tmp_path_factory.getbasetemp()
@@ -164,9 +167,15 @@ def isa_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
     narrowed.mkdir(exist_ok=True)
     have = read_cpu_flags()
 
-    def env_for(flags: str) -> tuple[dict, Path]:
+    def env_for(flags: str) -> tuple[dict, Path] | None:
         if not any(_NARROWED_FEATURE[f] in have for f in flags.split()):
-            return dict(os.environ), cache_dir()
+            import torch
+
+            assert load_cpu_ops() is None, "the CPU kernels did not build"
+            ops = torch.ops.headrace
+            names = [*ops.batched_int8_kernels(), *ops.q4_gemv_kernels(), *ops.q4_kernels()]
+            assert names and not any("avx512" in n for n in names), (cache_dir(), names)
+            return None
         env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "HEADRACE_CACHE_DIR": str(narrowed)}
         return env, narrowed
 

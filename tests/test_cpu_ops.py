@@ -496,7 +496,9 @@ def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The kernels have AVX-512, AVX2 and scalar paths; CI's CPU builds one of the first two.
     # Here the same tests (and the LoRA kernel's, the fused decoder's, row_argmax's and the
     # int8 KV cache's and the 4-bit GEMV's) run in a fresh process on a build without AVX-512.
-    env, cache = isa_build("-mno-avx512f")
+    if (built := isa_build("-mno-avx512f")) is None:
+        return  # this CPU has nothing to narrow: the suite's own build is that one (checked)
+    env, cache = built
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          __file__.replace("test_cpu_ops.py", "test_lora_ops.py"),

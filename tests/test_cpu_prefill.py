@@ -166,7 +166,9 @@ def test_greedy_with_the_kernel_equals_the_reference(tmp_path):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX flags exist only on x86-64")
 def test_the_avx2_build_passes_these_tests_too(isa_build):
     # The same tests in a fresh process on a build without AVX-512 (the 8-lane paths).
-    env, cache = isa_build("-mno-avx512f")
+    if (built := isa_build("-mno-avx512f")) is None:
+        return  # this CPU has nothing to narrow: the suite's own build is that one (checked)
+    env, cache = built
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "not avx2_build"],
