@@ -159,6 +159,8 @@ def isa_build(
     """
     from runner.cache_dir import cache_dir
     from runner.cpu_ops import EXTRA_CFLAGS_ENV, load_cpu_ops
+    from runner.layers.batched_int8 import batched_kernels
+    from runner.layers.q4_blocks import q4_gemv_kernels
     from runner.platform import read_cpu_flags
 
     base = tmp_path_factory.getbasetemp()
@@ -169,12 +171,9 @@ def isa_build(
 
     def env_for(flags: str) -> tuple[dict, Path] | None:
         if not any(_NARROWED_FEATURE[f] in have for f in flags.split()):
-            import torch
-
             assert load_cpu_ops() is None, "the CPU kernels did not build"
-            ops = torch.ops.headrace
-            names = [*ops.batched_int8_kernels(), *ops.q4_gemv_kernels(), *ops.q4_kernels()]
-            assert names and not any("avx512" in n for n in names), (cache_dir(), names)
+            isas = {**batched_kernels(), **q4_gemv_kernels()}  # batched includes "q4"
+            assert isas and not any("avx512" in i for i in isas.values()), (cache_dir(), isas)
             return None
         env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "HEADRACE_CACHE_DIR": str(narrowed)}
         return env, narrowed
